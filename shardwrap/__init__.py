@@ -1,0 +1,15 @@
+"""shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
+
+from .groups import hybrid_process_groups
+from .options import BackwardPrefetch, CPUOffload, ShardingStrategy
+from .wrap import FullyShardedDataParallel, ShardedModule
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullyShardedDataParallel",
+    "ShardedModule",
+    "ShardingStrategy",
+    "hybrid_process_groups",
+]
+__version__ = "0.1.0"

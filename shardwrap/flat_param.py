@@ -1,0 +1,235 @@
+"""One unit's parameters as a flat, sharded buffer, and its state machine.
+
+[Note: two views of each parameter]
+Every original parameter has two ``nn.Parameter`` objects, created once and kept for the
+life of the handle:
+
+* its *shard* view: this rank's piece of the parameter, a view into ``flat_shard``. It is
+  what the module shows outside forward/backward, what the optimizer holds, and where
+  reduced gradients land (``.grad``). Its identity never changes, so optimizer state stays
+  attached.
+* its *full* view: the whole parameter, a view into ``flat_full``. It is what the module
+  shows while the unit computes; autograd accumulates local gradients into its ``.grad``.
+
+``flat_full``'s storage is released (resized to 0) when the unit reshards and re-allocated
+in place when it unshards, so the full views stay valid objects without holding memory.
+With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed.
+
+[Note: version counters]
+Writing gathered data into ``flat_full`` must not bump its autograd version counter:
+tensors saved for backward alias it, and the re-gather before backward writes the very
+same values back. ``flat_shard``'s counter, on the other hand, is how we know the gathered
+copy is stale: every in-place update of a shard view (an optimizer step, a user edit)
+bumps the counter it shares with ``flat_shard``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from .collectives import Communicator
+from .layout import FlatLayout
+from .options import ShardingStrategy
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "SHARDED"  # module shows shard views; flat_full freed (or kept stale, ZeRO-1)
+    UNSHARDED = "UNSHARDED"  # module shows full views; flat_full holds gathered parameters
+
+
+class ParamSite:
+    """One place a parameter is registered: ``module._parameters[attr]``.
+
+    A tied parameter has several sites and one entry in the layout.
+    """
+
+    __slots__ = ("module", "attr")
+
+    def __init__(self, module: nn.Module, attr: str) -> None:
+        self.module = module
+        self.attr = attr
+
+    def set(self, param: nn.Parameter) -> None:
+        self.module._parameters[self.attr] = param
+
+
+class FlatParamHandle:
+    """A unit's parameters: the flat shard, the gathered buffer and gradient reduction."""
+
+    def __init__(
+        self,
+        *,
+        unit_name: str,
+        layout: FlatLayout,
+        params: list[nn.Parameter],
+        sites: list[list[ParamSite]],
+        shard_comm: Communicator,
+        replicate_comm: Communicator | None,
+        strategy: ShardingStrategy,
+    ) -> None:
+        _check_uniform(unit_name, layout, params)
+        self.unit_name = unit_name
+        self.layout = layout
+        self.strategy = strategy
+        self.shard_comm = shard_comm
+        self.replicate_comm = replicate_comm
+        self.sites = sites
+        self.state = ShardedState.UNSHARDED
+        dtype, device = params[0].dtype, params[0].device
+        self.dtype = dtype
+        self.flat_full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # 1D, padded
+        with torch.no_grad():
+            for info, param in zip(layout.params, params, strict=True):
+                self.flat_full[info.offset : info.end].copy_(param.detach().reshape(-1))
+        start, end = layout.shard_range(shard_comm.rank)
+        # 1D, shard_numel elements; the same tensor as flat_full when there is one shard.
+        self.flat_shard = (
+            self.flat_full if self.num_shards == 1 else self.flat_full[start:end].clone()
+        )
+        self.full_params = [self._make_full_view(i) for i in range(len(params))]
+        self.shard_params = [self._make_shard_view(i) for i in range(len(params))]
+        self._gathered_version: int | None = None  # flat_shard._version at the last gather
+        # Reduced gradient of this backward, waiting for the presence vote (1D, shard_numel).
+        self.pending_grad_shard: torch.Tensor | None = None
+        self.local_grad_present = [False] * len(params)
+        self.reshard(free=True)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_shards(self) -> int:
+        return self.layout.num_shards
+
+    @property
+    def data_parallel_size(self) -> int:
+        replicas = self.replicate_comm.size if self.replicate_comm is not None else 1
+        return self.num_shards * replicas
+
+    def _make_full_view(self, index: int) -> nn.Parameter:
+        info = self.layout.params[index]
+        view = self.flat_full[info.offset : info.end].view(info.shape)
+        return nn.Parameter(view, requires_grad=info.requires_grad)
+
+    def _make_shard_view(self, index: int) -> nn.Parameter:
+        info = self.layout.params[index]
+        if self.num_shards == 1:
+            view = self.flat_shard[info.offset : info.end].view(info.shape)
+        else:
+            piece = self.layout.pieces(self.shard_comm.rank)[index]
+            view = self.flat_shard[piece.shard_start : piece.shard_end]
+        return nn.Parameter(view, requires_grad=info.requires_grad)
+
+    def _show(self, params: list[nn.Parameter]) -> None:
+        for param, sites in zip(params, self.sites, strict=True):
+            for site in sites:
+                site.set(param)
+
+    # ------------------------------------------------------------ transitions
+    @property
+    def full_is_current(self) -> bool:
+        return self._gathered_version == self.flat_shard._version
+
+    def unshard(self) -> None:
+        """Gather the full parameters (if stale) and show them on the module."""
+        if self.state is ShardedState.UNSHARDED and self.full_is_current:
+            return
+        if not self.full_is_current:
+            self._gather()
+        self._show(self.full_params)
+        self.state = ShardedState.UNSHARDED
+
+    def _gather(self) -> None:
+        if self.num_shards > 1:
+            storage = self.flat_full.untyped_storage()
+            needed = self.flat_full.numel() * self.flat_full.element_size()
+            if storage.size() != needed:
+                storage.resize_(needed)
+            with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+                self.shard_comm.all_gather(self.flat_full, self.flat_shard, purpose="params").wait()
+        self._gathered_version = self.flat_shard._version
+
+    def reshard(self, *, free: bool) -> None:
+        """Show the shard views; release the gathered storage when ``free``."""
+        self._show(self.shard_params)
+        self.state = ShardedState.SHARDED
+        if free and self.num_shards > 1:
+            self.flat_full.untyped_storage().resize_(0)
+            self._gathered_version = None
+
+    @property
+    def full_storage_bytes(self) -> int:
+        """Bytes currently held by the gathered buffer (0 once released)."""
+        if self.num_shards == 1:
+            return 0
+        return self.flat_full.untyped_storage().size()
+
+    # -------------------------------------------------------------- gradients
+    def has_local_grads(self) -> bool:
+        return any(p.grad is not None for p in self.full_params)
+
+    def reduce_grads(self) -> None:
+        """Reduce the full local gradients into this rank's shard (kept pending).
+
+        Parameters without a local gradient contribute zeros; whether they get a gradient
+        at all is decided by the presence vote (:meth:`assign_grads`).
+        """
+        flat_grad = self._flatten_local_grads()
+        reduced = torch.empty_like(self.flat_shard)
+        self.shard_comm.reduce_scatter(reduced, flat_grad, purpose="grads").wait()
+        if self.replicate_comm is not None:
+            self.replicate_comm.all_reduce(reduced, purpose="grads").wait()
+        reduced.div_(self.data_parallel_size)
+        if self.pending_grad_shard is None:
+            self.pending_grad_shard = reduced
+        else:
+            self.pending_grad_shard.add_(reduced)
+
+    def _flatten_local_grads(self) -> torch.Tensor:
+        flat_grad = torch.zeros_like(self.flat_full, memory_format=torch.contiguous_format)
+        for index, (info, param) in enumerate(
+            zip(self.layout.params, self.full_params, strict=True)
+        ):
+            if param.grad is None:
+                continue
+            flat_grad[info.offset : info.end].copy_(param.grad.reshape(-1))
+            self.local_grad_present[index] = True
+            param.grad = None
+        return flat_grad
+
+    def assign_grads(self, global_present: list[bool]) -> None:
+        """Move the pending reduced gradient onto the shard views that got one anywhere."""
+        pending = self.pending_grad_shard
+        self.pending_grad_shard = None
+        self.local_grad_present = [False] * len(self.full_params)
+        if pending is None:
+            return
+        for index, param in enumerate(self.shard_params):
+            if not global_present[index]:
+                continue
+            info = self.layout.params[index]
+            if self.num_shards == 1:
+                grad = pending[info.offset : info.end].view(info.shape)
+            else:
+                piece = self.layout.pieces(self.shard_comm.rank)[index]
+                grad = pending[piece.shard_start : piece.shard_end]
+            if param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad.add_(grad)
+
+    def late_grad_names(self) -> list[str]:
+        """Parameters whose local gradient arrived after this unit was reduced."""
+        return [
+            info.fqn
+            for info, p in zip(self.layout.params, self.full_params, strict=True)
+            if p.grad is not None
+        ]
+
+
+def _check_uniform(unit_name: str, layout: FlatLayout, params: list[nn.Parameter]) -> None:
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        what = ", ".join(f"{i.fqn}: {p.dtype}" for i, p in zip(layout.params, params, strict=True))
+        raise ValueError(f"unit {unit_name!r}: parameters of mixed dtypes ({what})")

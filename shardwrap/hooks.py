@@ -1,0 +1,166 @@
+"""Forward/backward hooks: gather a unit before it computes, free it after, reduce its grads.
+
+[Note: when a unit's backward is over]
+A unit's post-backward runs from an autograd node placed on the unit's forward inputs:
+its backward fires once gradients for those inputs exist, which is after the unit's own
+ops ran backward (and autograd runs a leaf's gradient accumulation before other ready
+work). A unit whose inputs need no gradient (the embedding at the bottom of a model)
+never triggers that node; the end-of-backward callback reduces it instead. Both paths
+depend only on the graph's structure, so every rank issues its reductions in the same
+order.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .flat_param import FlatParamHandle
+from .options import ShardingStrategy
+
+if TYPE_CHECKING:
+    from .runtime import StepRuntime
+
+
+class TrainingState(enum.Enum):
+    IDLE = "IDLE"  # no step in flight; shards only
+    FORWARD = "FORWARD"  # ran forward this step; its gradients may still come
+    BACKWARD = "BACKWARD"  # gathered again for backward; local gradients accumulating
+    BACKWARD_DONE = "BACKWARD_DONE"  # gradients reduced (or kept, under no_sync); resharded
+
+
+class Unit:
+    """One wrapped module and its flat parameter handle (``None`` when it owns none)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        module: nn.Module,
+        handle: FlatParamHandle | None,
+        strategy: ShardingStrategy,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.handle = handle
+        self.strategy = strategy
+        self.state = TrainingState.IDLE
+        self.runtime: StepRuntime | None = None  # set by the root that owns this unit
+        self._hook_handles: list[Any] = []
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, {self.state.name})"
+
+    # -------------------------------------------------------------- hooks
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        runtime = self._runtime()
+        runtime.record_forward(self)
+        if self.handle is not None:
+            self.handle.unshard()
+        if self.state is TrainingState.IDLE:
+            self.state = TrainingState.FORWARD
+        if torch.is_grad_enabled() and self._has_trainable_params():
+            args, kwargs = _attach_post_backward(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        training = torch.is_grad_enabled()
+        if self.handle is not None and self.state is not TrainingState.BACKWARD:
+            if not training or self.strategy.reshard_after_forward:
+                self.handle.reshard(free=self.strategy.free_after_backward)
+            elif self.strategy.reduces_at_step:
+                self.handle.reshard(free=False)
+        if training:
+            _register_pre_backward(self, output)
+        return output
+
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        runtime = self._runtime()
+        runtime.queue_finalize()
+        if self.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
+            if self.handle is not None:
+                self.handle.unshard()
+            self.state = TrainingState.BACKWARD
+
+    def post_backward(self) -> None:
+        """Reduce this unit's gradients (unless deferred) and reshard."""
+        if self.state is TrainingState.BACKWARD_DONE or self.state is TrainingState.IDLE:
+            return
+        runtime = self._runtime()
+        handle = self.handle
+        if handle is not None:
+            if runtime.sync_grads and not self.strategy.reduces_at_step:
+                handle.reduce_grads()
+            handle.reshard(free=self.strategy.free_after_backward)
+        self.state = TrainingState.BACKWARD_DONE
+
+    # ------------------------------------------------------------ helpers
+    def _runtime(self) -> StepRuntime:
+        if self.runtime is None:
+            raise RuntimeError(f"unit {self.name!r} is not attached to a ShardedModule root")
+        return self.runtime
+
+    def _has_trainable_params(self) -> bool:
+        return self.handle is not None and any(i.requires_grad for i in self.handle.layout.params)
+
+    def register(self) -> None:
+        """Install this unit's forward hooks on its module."""
+        self._hook_handles.append(
+            self.module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
+        )
+        self._hook_handles.append(
+            self.module.register_forward_hook(self.post_forward, with_kwargs=True)
+        )
+
+    def remove(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles.clear()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward marks the end of the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+
+def _attach_post_backward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return args, kwargs
+    outputs = _PostBackward.apply(unit, *(leaves[i] for i in positions))
+    for i, out in zip(positions, outputs, strict=True):
+        leaves[i] = out
+    return tree_unflatten(leaves, spec)
+
+
+def _register_pre_backward(unit: Unit, output: Any) -> None:
+    leaves, _ = tree_flatten(output)
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(_PreBackwardHook(unit))
+
+
+class _PreBackwardHook:
+    """Tensor hook on a unit's outputs; returns nothing so the gradient is unchanged."""
+
+    __slots__ = ("unit",)
+
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.unit.pre_backward(grad)

@@ -1,0 +1,148 @@
+"""Per-root step bookkeeping: execution order, end of backward, gradient presence vote.
+
+[Note: gradient presence]
+In single-process training a parameter that takes no part in the loss keeps
+``grad=None``, so the optimizer leaves it alone (no momentum, no weight decay). A rank
+cannot tell that alone: the parameter may have been used by another rank's data. Each
+unit therefore reduces zeros for its missing gradients, and once per optimizer-visible
+gradient update one small all-reduce (MAX) of per-parameter "had a gradient" flags
+decides, for every rank alike, which shard views receive a gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import (
+    register_optimizer_step_pre_hook,
+)
+
+from .collectives import Communicator
+from .hooks import TrainingState, Unit
+
+
+class StepRuntime:
+    """State shared by all units of one root ``ShardedModule`` across a training step."""
+
+    def __init__(self, units: list[Unit], world_comm: Communicator) -> None:
+        self.units = units
+        self.world_comm = world_comm
+        self.sync_grads = True
+        self.execution_order: list[Unit] = []  # units in first-forward order this step
+        self._finalize_queued = False
+        self._step_hooks: list = []
+        for unit in units:
+            unit.runtime = self
+        if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
+            self._install_optimizer_hooks()
+
+    # ---------------------------------------------------------------- forward
+    def begin_forward(self) -> None:
+        """Called by the root before each forward: start a fresh execution order."""
+        if not self._finalize_queued:
+            self.execution_order.clear()
+            for unit in self.units:
+                if unit.state is not TrainingState.IDLE:
+                    self._abandon(unit)
+
+    def _abandon(self, unit: Unit) -> None:
+        # A forward whose backward never ran (evaluation with grad enabled, an exception):
+        # drop its local gradients? No: keep them, as autograd would, and just reshard.
+        if unit.handle is not None and unit.strategy.free_after_backward:
+            unit.handle.reshard(free=True)
+        unit.state = TrainingState.IDLE
+
+    def record_forward(self, unit: Unit) -> None:
+        if unit.state is TrainingState.IDLE and unit not in self.execution_order:
+            self.execution_order.append(unit)
+
+    # --------------------------------------------------------------- backward
+    def queue_finalize(self) -> None:
+        if not self._finalize_queued:
+            self._finalize_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def finalize_backward(self) -> None:
+        """End of backward: reduce the units autograd did not reach, then vote on presence."""
+        self._finalize_queued = False
+        for unit in reversed(self.execution_order):
+            if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+                unit.post_backward()
+        if self.sync_grads:
+            step_units = [u for u in self.units if not u.strategy.reduces_at_step]
+            self._check_late_grads(step_units)
+            self.vote_and_assign(step_units)
+        for unit in self.units:
+            unit.state = TrainingState.IDLE
+        self.execution_order.clear()
+
+    def _check_late_grads(self, units: list[Unit]) -> None:
+        for unit in units:
+            if unit.handle is None or unit not in self.execution_order:
+                continue
+            late = unit.handle.late_grad_names()
+            if late:
+                raise RuntimeError(
+                    f"rank {self.world_comm.rank}: unit {unit.name!r} received gradients for "
+                    f"{late} after it was reduced; a parameter is used outside its unit's "
+                    "forward. Wrap the module that uses it, or put both in one unit."
+                )
+
+    def vote_and_assign(self, units: list[Unit]) -> None:
+        """All-reduce per-parameter presence flags and hand reduced grads to shard views."""
+        handles = [u.handle for u in units if u.handle is not None]
+        if not handles:
+            return
+        flags = torch.tensor(
+            [int(f) for h in handles for f in h.local_grad_present], dtype=torch.int32
+        )
+        self.world_comm.all_reduce(flags, purpose="grad_presence", op=dist.ReduceOp.MAX).wait()
+        start = 0
+        for h in handles:
+            count = len(h.local_grad_present)
+            h.assign_grads([bool(f) for f in flags[start : start + count].tolist()])
+            start += count
+
+    # ----------------------------------------------------- ZeRO-1 step hooks
+    def reduce_deferred_grads(self) -> None:
+        """ZeRO-1: reduce the full local gradients once, right before the optimizer steps."""
+        units = [u for u in self.units if u.strategy.reduces_at_step and u.handle is not None]
+        for unit in units:
+            unit.handle.reduce_grads()  # type: ignore[union-attr]
+        self.vote_and_assign(units)
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        mine = {id(p) for u in self.units if u.handle is not None for p in u.handle.shard_params}
+        return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+
+    def _install_optimizer_hooks(self) -> None:
+        ref = weakref.ref(self)
+
+        def before_step(optimizer, args, kwargs):
+            runtime = ref()
+            if runtime is not None and runtime.sync_grads and runtime._owns(optimizer):
+                runtime.reduce_deferred_grads()
+
+        self._step_hooks.append(register_optimizer_step_pre_hook(before_step))
+
+    def remove_hooks(self) -> None:
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.remove_hooks()
+
+    # ------------------------------------------------------------------ misc
+    @contextlib.contextmanager
+    def no_sync(self):
+        previous = self.sync_grads
+        self.sync_grads = False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous

@@ -1,0 +1,297 @@
+"""``ShardedModule``: the FSDP-compatible entry point, and the wrap policies it takes."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import collectives
+from .collectives import CommLedger, Communicator
+from .groups import resolve_groups
+from .hooks import Unit
+from .options import BackwardPrefetch, CPUOffload, ShardingStrategy
+from .policies import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    always_wrap_policy,
+    as_policy,
+    enable_wrap,
+    lambda_auto_wrap_policy,
+    select_units,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    wrap,
+)
+from .runtime import StepRuntime
+from .units import assign_params, build_unit, collect_params
+
+__all__ = [
+    "ShardedModule",
+    "ModuleWrapPolicy",
+    "CustomPolicy",
+    "always_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "enable_wrap",
+    "wrap",
+]
+
+# Modules already turned into units, so that wrapping one twice is caught.
+_MANAGED: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
+
+
+class ShardedModule(nn.Module):
+    """Shard ``module``'s parameters, gradients and optimizer state across ranks.
+
+    Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.
+    Parameter and state-dict names are exactly those of the unwrapped ``module``; the
+    parameters the optimizer receives are this rank's pieces of the originals.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: Any = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: Any = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Any = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = True,
+        ignored_states: Iterable[Any] | None = None,
+        device_mesh: Any = None,
+    ) -> None:
+        super().__init__()
+        _check_module(module)
+        if not collectives.is_initialized():
+            raise RuntimeError(
+                "ShardedModule: no process group is initialised; call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+            )
+        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
+        self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
+        self.forward_prefetch = _check_bool("forward_prefetch", forward_prefetch)
+        self.limit_all_gathers = _check_bool("limit_all_gathers", limit_all_gathers)
+        self.use_orig_params = _check_bool("use_orig_params", use_orig_params)
+        sync_module_states = _check_bool("sync_module_states", sync_module_states)
+        _check_unsupported(mixed_precision, cpu_offload, module)
+        policy = as_policy(auto_wrap_policy)
+        ignored = _ignored_modules(ignored_modules, ignored_states, module)
+        groups = resolve_groups(self.sharding_strategy, process_group, device_mesh)
+        self.comm_ledger = CommLedger()
+        world_comm = Communicator(groups.world_group, self.comm_ledger)
+        shard_comm = Communicator(groups.shard_group, self.comm_ledger)
+        replicate_comm = (
+            Communicator(groups.replicate_group, self.comm_ledger)
+            if groups.replicate_group is not None
+            else None
+        )
+        absorbed = _absorb_nested(module)
+        _materialize(module, param_init_fn, device_id)
+        if device_id is not None:
+            module.to(torch.device(device_id) if isinstance(device_id, int) else device_id)
+        if sync_module_states:
+            _broadcast_from_rank0(module, world_comm, ignored)
+        excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
+        absorbed_modules = {u.module for u in absorbed}
+        unit_modules = select_units(module, policy, ignored | absorbed_modules)
+        records = collect_params(module, ignored, excluded)
+        _check_one_device(records)
+        owned = assign_params(module, unit_modules, records)
+        names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+        new_units = [
+            build_unit(
+                name=names[id(m)],
+                module=m,
+                records=owned[id(m)],
+                shard_comm=shard_comm,
+                replicate_comm=replicate_comm,
+                strategy=self.sharding_strategy,
+            )
+            for m in [module, *unit_modules]
+        ]
+        self.module = module
+        self._units: list[Unit] = new_units + list(absorbed)
+        for unit in self._units:
+            _MANAGED[unit.module] = unit
+        for unit in new_units:
+            unit.register()
+        self._runtime = StepRuntime(self._units, world_comm)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._runtime.begin_forward()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no gradient communication) inside this context."""
+        with self._runtime.no_sync():
+            yield
+
+    # ------------------------------------------------------------ introspection
+    @property
+    def units(self) -> list[Unit]:
+        """The units in wrap order (the root module's unit first)."""
+        return list(self._units)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[ShardedModule]:
+        """Every ``ShardedModule`` in ``module``'s tree (FSDP's name)."""
+        return [m for m in module.modules() if isinstance(m, ShardedModule)]
+
+    def check_is_root(self) -> bool:
+        return True
+
+    # ---------------------------------------- names as in the unwrapped module
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars=False):
+        return self.module.state_dict(
+            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+        )
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+
+FullyShardedDataParallel = ShardedModule
+
+
+# ---------------------------------------------------------------- construction helpers
+def _check_module(module: object) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
+    if isinstance(module, ShardedModule):
+        raise ValueError("module: this module is already a ShardedModule (wrapped twice)")
+    for name, sub in module.named_modules():
+        if sub in _MANAGED and not _is_nested_root(module, sub):
+            where = f"submodule {name!r}" if name else "the module"
+            raise ValueError(
+                f"module: {where} is already managed by a ShardedModule (wrapped twice)"
+            )
+
+
+def _is_nested_root(root: nn.Module, sub: nn.Module) -> bool:
+    """Whether ``sub`` belongs to a ``ShardedModule`` sitting inside ``root`` (absorbable)."""
+    return any(
+        isinstance(m, ShardedModule) and any(u.module is sub for u in m._units)
+        for m in root.modules()
+    )
+
+
+def _check_bool(argument: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument}: expected a bool, got {value!r}")
+    return value
+
+
+def _check_unsupported(mixed_precision: Any, cpu_offload: Any, module: nn.Module) -> None:
+    if mixed_precision is not None:
+        raise ValueError("mixed_precision: not supported by this version of shardwrap")
+    if cpu_offload is not None:
+        if not isinstance(cpu_offload, CPUOffload):
+            raise TypeError(f"cpu_offload: expected CPUOffload, got {type(cpu_offload).__name__}")
+        on_accelerator = any(p.device.type not in ("cpu", "meta") for p in module.parameters())
+        if cpu_offload.offload_params and on_accelerator:
+            raise ValueError("cpu_offload: offloading accelerator parameters is not supported yet")
+
+
+def _ignored_modules(
+    ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None, root
+) -> set[nn.Module]:
+    ignored: set[nn.Module] = set()
+    for source, values in (
+        ("ignored_modules", ignored_modules),
+        ("ignored_states", ignored_states),
+    ):
+        for item in values or ():
+            if not isinstance(item, nn.Module):
+                raise TypeError(f"{source}: expected nn.Module entries, got {type(item).__name__}")
+            if item is root:
+                raise ValueError(f"{source}: cannot ignore the root module itself")
+            ignored.add(item)
+    return ignored
+
+
+def _absorb_nested(module: nn.Module) -> list[Unit]:
+    """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units."""
+    adopted: list[Unit] = []
+    for parent in list(module.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, ShardedModule):
+                child._runtime.remove_hooks()
+                adopted.extend(child._units)
+                parent._modules[child_name] = child.module
+    return adopted
+
+
+def _materialize(
+    module: nn.Module, param_init_fn: Callable | None, device_id: int | torch.device | None
+) -> None:
+    """Give parameters built on the meta device real storage, then initialise them."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if not any(t.is_meta for t in tensors):
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError("param_init_fn: expected a callable taking the module")
+        return
+    device = torch.device("cpu") if device_id is None else torch.device(device_id)
+    if param_init_fn is not None:
+        if not callable(param_init_fn):
+            raise TypeError("param_init_fn: expected a callable taking the module")
+        param_init_fn(module)
+    else:
+        module.to_empty(device=device)
+        with torch.no_grad():
+            for sub in module.modules():
+                if callable(getattr(sub, "reset_parameters", None)):
+                    sub.reset_parameters()
+    still_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ValueError(f"param_init_fn: left {still_meta[:5]} on the meta device")
+
+
+def _broadcast_from_rank0(module: nn.Module, comm: Communicator, ignored: set[nn.Module]) -> None:
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(tensor.data, src_rank=0, purpose="init").wait()
+
+
+def _check_one_device(records: list) -> None:
+    devices: dict[torch.device, str] = {}
+    for record in records:
+        devices.setdefault(record.param.device, record.fqn)
+    if len(devices) > 1:
+        found = ", ".join(f"{fqn} on {device}" for device, fqn in devices.items())
+        raise ValueError(
+            f"module: parameters on mixed devices ({found}); move the module to one device "
+            "or pass device_id"
+        )

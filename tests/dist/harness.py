@@ -1,0 +1,64 @@
+"""Spawn ranks on CPU with gloo and collect each rank's result (or its traceback)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RANK_TIMEOUT_S = 120.0  # generous for 2 loaded CPU cores; a hang fails instead of blocking CI
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn, args, queue) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, queue))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in procs:
+                rank, ok, payload = queue.get(timeout=RANK_TIMEOUT_S)
+                if ok:
+                    results[rank] = payload
+                else:
+                    errors.append(f"rank {rank}:\n{payload}")
+                    break
+        except Exception as exc:  # queue.Empty: a rank hung
+            errors.append(f"ranks did not finish within {RANK_TIMEOUT_S}s ({exc!r})")
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
