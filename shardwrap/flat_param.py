@@ -152,7 +152,9 @@ class FlatParamHandle:
             if storage.size() != needed:
                 storage.resize_(needed)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                self.shard_comm.all_gather(self.flat_full, self.flat_shard, purpose="params").wait()
+                self.shard_comm.all_gather(
+                    self.flat_full, self.flat_shard, purpose="params", unit=self.unit_name
+                ).wait()
         self._gathered_version = self.flat_shard._version
 
     def reshard(self, *, free: bool) -> None:
@@ -182,9 +184,11 @@ class FlatParamHandle:
         """
         flat_grad = self._flatten_local_grads()
         reduced = torch.empty_like(self.flat_shard)
-        self.shard_comm.reduce_scatter(reduced, flat_grad, purpose="grads").wait()
+        self.shard_comm.reduce_scatter(
+            reduced, flat_grad, purpose="grads", unit=self.unit_name
+        ).wait()
         if self.replicate_comm is not None:
-            self.replicate_comm.all_reduce(reduced, purpose="grads").wait()
+            self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.unit_name).wait()
         reduced.div_(self.data_parallel_size)
         if self.pending_grad_shard is None:
             self.pending_grad_shard = reduced

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import collectives
-from .collectives import CommLedger, Communicator
+from .collectives import CollectiveChecker, CommLedger, Communicator
 from .groups import resolve_groups
 from .hooks import Unit
 from .options import BackwardPrefetch, CPUOffload, ShardingStrategy
@@ -140,6 +140,33 @@ class ShardedModule(nn.Module):
         """Accumulate gradients locally (no gradient communication) inside this context."""
         with self._runtime.no_sync():
             yield
+
+    # ------------------------------------------------------------------ debug
+    def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:
+        """Check before every collective that all ranks run the same one (see
+        :class:`shardwrap.collectives.CollectiveChecker`); a divergence raises on every rank
+        instead of hanging. Costs one small object all-gather per collective."""
+        checker = CollectiveChecker(timeout_s) if _check_bool("enabled", enabled) else None
+        for comm in self._communicators():
+            comm.checker = checker
+
+    @contextlib.contextmanager
+    def checking_collectives(self, *, timeout_s: float = 60.0) -> Iterator[None]:
+        """Context manager form of :meth:`set_collective_checks`."""
+        self.set_collective_checks(True, timeout_s=timeout_s)
+        try:
+            yield
+        finally:
+            self.set_collective_checks(False)
+
+    def _communicators(self) -> list[Communicator]:
+        comms = [self._runtime.world_comm]
+        for unit in self._units:
+            if unit.handle is not None:
+                comms.append(unit.handle.shard_comm)
+                if unit.handle.replicate_comm is not None:
+                    comms.append(unit.handle.replicate_comm)
+        return comms
 
     # ------------------------------------------------------------ introspection
     @property
