@@ -33,6 +33,8 @@ class StepRuntime:
         self.sync_grads = True
         self.execution_order: list[Unit] = []  # units in first-forward order this step
         self._finalize_queued = False
+        # ZeRO-1: a backward left full local gradients that the next step must reduce.
+        self.deferred_grads_pending = False
         self._step_hooks: list = []
         for unit in units:
             unit.runtime = self
@@ -68,6 +70,7 @@ class StepRuntime:
     def finalize_backward(self) -> None:
         """End of backward: reduce the units autograd did not reach, then vote on presence."""
         self._finalize_queued = False
+        self.deferred_grads_pending = True
         for unit in reversed(self.execution_order):
             if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
                 unit.post_backward()
@@ -108,7 +111,14 @@ class StepRuntime:
 
     # ----------------------------------------------------- ZeRO-1 step hooks
     def reduce_deferred_grads(self) -> None:
-        """ZeRO-1: reduce the full local gradients once, right before the optimizer steps."""
+        """ZeRO-1: reduce the full local gradients once, right before the optimizer steps.
+
+        A no-op when no backward ran since the last reduction (a second call, or a step
+        before any backward), so gradient clipping can flush early without double counting.
+        """
+        if not self.deferred_grads_pending:
+            return
+        self.deferred_grads_pending = False
         units = [u for u in self.units if u.strategy.reduces_at_step and u.handle is not None]
         for unit in units:
             unit.handle.reduce_grads()  # type: ignore[union-attr]
