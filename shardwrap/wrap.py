@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import collectives
+from . import collectives, grad_clip
 from .collectives import CommLedger, Communicator
 from .groups import resolve_groups
 from .hooks import Unit
@@ -140,6 +140,10 @@ class ShardedModule(nn.Module):
         """Accumulate gradients locally (no gradient communication) inside this context."""
         with self._runtime.no_sync():
             yield
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the full gradients' total norm to ``max_norm``; see :mod:`.grad_clip`."""
+        return grad_clip.clip_grad_norm_(self, max_norm, norm_type)
 
     # ------------------------------------------------------------ introspection
     @property
