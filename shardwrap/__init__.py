@@ -1,5 +1,6 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
+from .forward_methods import register_forward_method
 from .groups import hybrid_process_groups
 from .options import BackwardPrefetch, CPUOffload, ShardingStrategy
 from .wrap import FullyShardedDataParallel, ShardedModule
@@ -11,5 +12,6 @@ __all__ = [
     "ShardedModule",
     "ShardingStrategy",
     "hybrid_process_groups",
+    "register_forward_method",
 ]
 __version__ = "0.1.0"

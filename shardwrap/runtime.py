@@ -47,6 +47,7 @@ class StepRuntime:
         if not self._finalize_queued:
             self.execution_order.clear()
             for unit in self.units:
+                unit.forward_depth = 0  # a forward that raised never ran its post-forward
                 if unit.state is not TrainingState.IDLE:
                     self._abandon(unit)
 

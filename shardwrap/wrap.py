@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import collectives, grad_clip
+from . import collectives, forward_methods, full_params, grad_clip
 from .collectives import CommLedger, Communicator
 from .groups import resolve_groups
 from .hooks import Unit
@@ -144,6 +144,9 @@ class ShardedModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the full gradients' total norm to ``max_norm``; see :mod:`.grad_clip`."""
         return grad_clip.clip_grad_norm_(self, max_norm, norm_type)
+
+    summon_full_params = staticmethod(full_params.summon_full_params)
+    register_forward_method = staticmethod(forward_methods.register_forward_method)
 
     # ------------------------------------------------------------ introspection
     @property
