@@ -1,13 +1,14 @@
 """Full-parameter access outside forward: ``summon_full_params``.
 
 [Note: what summoning does to a handle]
-Inside the context each selected unit shows its *full* views (gathered if stale), exactly
-as during forward. On exit, with ``writeback``, this rank's slice of the (possibly edited)
-gathered buffer is copied into its shard; the copy bumps the shard's version counter, so
-the next forward gathers again. Without ``writeback`` edits are dropped: the gathered
-buffer is released (or, with a single shard, where the full views *are* the shard, the
-values are restored from a snapshot). Every rank must enter the context (it all-gathers),
-and edits must be the same on every rank, as with torch's FSDP.
+Inside the context each selected unit shows full parameters gathered into a temporary
+buffer in the *master* dtype (so mixed precision shows fp32 values, not the low-precision
+compute copy); the handle's own gathered buffer and its gradients are left alone. On exit,
+with ``writeback``, this rank's slice of the (possibly edited) buffer is copied into its
+shard; the copy bumps the shard's version counter, so the next forward gathers again.
+With a single shard the shown parameters are the shard itself (edited in place), or a
+copy when ``writeback=False``. Every rank must enter the context (it all-gathers), and
+edits must be the same on every rank, as with torch's FSDP.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def summon_full_params(
 
 
 class _Summon:
-    """One handle's summon: what it showed before, and how to undo or write back."""
+    """One handle's summon: a full-precision full copy shown on the module, then undone."""
 
     def __init__(
         self, handle: FlatParamHandle, writeback: bool, showing: bool, offload: bool, grads: bool
@@ -112,59 +113,60 @@ class _Summon:
         self.handle = handle
         self.writeback = writeback
         self.showing = showing
-        self.offload = offload and handle.flat_full.device.type != "cpu"
+        self.offload = offload and handle.flat_shard.device.type != "cpu"
         self.with_grads = grads
-        self.was_unsharded = handle.state is ShardedState.UNSHARDED
-        self.snapshot: torch.Tensor | None = None  # 1D; single shard without writeback
-        self.shown: list[nn.Parameter] = []  # CPU copies when offloading
+        self.flat_full: torch.Tensor | None = None  # 1D, padded, master dtype; while summoned
 
     def enter(self) -> None:
         handle = self.handle
-        handle.unshard()
-        if handle.num_shards == 1 and not self.writeback:
-            self.snapshot = handle.flat_full.detach().clone()
+        if handle.num_shards == 1:
+            # The shard is the whole parameter: edit it in place, or a copy to be dropped.
+            flat = handle.flat_shard if self.writeback else handle.flat_shard.detach().clone()
+        else:
+            flat = torch.empty(
+                handle.layout.padded_numel, dtype=handle.dtype, device=handle.flat_shard.device
+            )
+            handle.shard_comm.all_gather(flat, handle.flat_shard, purpose="summon").wait()
+        self.flat_full = flat.cpu() if self.offload else flat
+        shown = [
+            nn.Parameter(self.flat_full[i.offset : i.end].view(i.shape), i.requires_grad)
+            for i in handle.layout.params
+        ]
         if self.with_grads:
-            _show_full_grads(handle)
-        if not self.showing:
-            handle.reshard(free=False)
-        elif self.offload:
-            self.shown = [
-                nn.Parameter(p.detach().cpu(), p.requires_grad) for p in handle.full_params
-            ]
-            handle._show(self.shown)
+            _attach_full_grads(handle, shown)
+        if self.showing:
+            handle._show(shown)
 
     def exit(self) -> None:
         handle = self.handle
-        with torch.no_grad():
-            if self.offload and self.writeback:
-                for full, shown in zip(handle.full_params, self.shown, strict=True):
-                    full.copy_(shown)
-            if self.writeback and handle.num_shards > 1:
-                start, end = handle.layout.shard_range(handle.shard_comm.rank)
-                handle.flat_shard.copy_(handle.flat_full[start:end])
-            if self.snapshot is not None:
-                handle.flat_shard.copy_(self.snapshot)
-        if self.with_grads:
-            for full in handle.full_params:
-                full.grad = None  # must not leak into the next backward's accumulation
-        handle.reshard(free=True)
-        if self.was_unsharded:
-            handle.unshard()
+        flat = self.flat_full
+        self.flat_full = None
+        if self.writeback and (handle.num_shards > 1 or self.offload):
+            start, end = handle.layout.shard_range(handle.shard_comm.rank)
+            with torch.no_grad():
+                # Bumps flat_shard's version: the next forward gathers the new values.
+                handle.flat_shard.copy_(flat[start:end] if handle.num_shards > 1 else flat)
+        unsharded = handle.state is ShardedState.UNSHARDED
+        handle._show(handle.full_params if unsharded else handle.shard_params)
+        if unsharded and self.writeback:
+            handle.unshard()  # the shown full views must reflect the edits
 
 
-def _show_full_grads(handle: FlatParamHandle) -> None:
-    """Gather the reduced gradient shards into the full views' ``.grad`` (read-only copies)."""
-    present = [p.grad is not None for p in handle.shard_params]
+def _attach_full_grads(handle: FlatParamHandle, shown: list[nn.Parameter]) -> None:
+    """Give ``shown`` copies of the full reduced gradients (edits are not written back)."""
     if handle.num_shards == 1:
-        for full, shard in zip(handle.full_params, handle.shard_params, strict=True):
-            full.grad = None if shard.grad is None else shard.grad.detach().clone()
+        for param, shard in zip(shown, handle.shard_params, strict=True):
+            param.grad = None if shard.grad is None else shard.grad.detach().clone()
         return
     grad_shard = torch.zeros_like(handle.flat_shard)
     pieces = handle.layout.pieces(handle.shard_comm.rank)
     for piece, shard in zip(pieces, handle.shard_params, strict=True):
         if shard.grad is not None:
             grad_shard[piece.shard_start : piece.shard_end].copy_(shard.grad.reshape(-1))
-    grad_full = torch.empty_like(handle.flat_full, memory_format=torch.contiguous_format)
+    grad_full = torch.empty(
+        handle.layout.padded_numel, dtype=handle.dtype, device=handle.flat_shard.device
+    )
     handle.shard_comm.all_gather(grad_full, grad_shard, purpose="summon_grads").wait()
-    for info, full, has_grad in zip(handle.layout.params, handle.full_params, present, strict=True):
-        full.grad = grad_full[info.offset : info.end].view(info.shape) if has_grad else None
+    for info, param, shard in zip(handle.layout.params, shown, handle.shard_params, strict=True):
+        if shard.grad is not None:  # the same on every rank (the presence vote)
+            param.grad = grad_full[info.offset : info.end].view(info.shape)

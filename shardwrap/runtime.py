@@ -23,6 +23,17 @@ from torch.optim.optimizer import (
 from .collectives import Communicator
 from .hooks import TrainingState, Unit
 
+# Runtimes whose optimizer hooks are live, so that code holding only an optimizer (a grad
+# scaler) can make ZeRO-1 gradients reduced before reading them.
+_LIVE_RUNTIMES: weakref.WeakSet[StepRuntime] = weakref.WeakSet()
+
+
+def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
+    """Reduce pending ZeRO-1 gradients of every root that owns ``optimizer``'s parameters."""
+    for runtime in list(_LIVE_RUNTIMES):
+        if runtime.sync_grads and runtime._owns(optimizer):
+            runtime.reduce_deferred_grads()
+
 
 class StepRuntime:
     """State shared by all units of one root ``ShardedModule`` across a training step."""
@@ -40,6 +51,7 @@ class StepRuntime:
             unit.runtime = self
         if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
             self._install_optimizer_hooks()
+            _LIVE_RUNTIMES.add(self)
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
@@ -140,6 +152,7 @@ class StepRuntime:
         self._step_hooks.append(register_optimizer_step_pre_hook(before_step))
 
     def remove_hooks(self) -> None:
+        _LIVE_RUNTIMES.discard(self)
         for h in self._step_hooks:
             h.remove()
         self._step_hooks.clear()
