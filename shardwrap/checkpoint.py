@@ -308,11 +308,11 @@ def _match_names(index: CheckpointIndex, slots: ModelSlots, strict: bool):
     unexpected = sorted(set(index.params) - used)
     missing += [n for n in slots.buffers if n not in index.buffers]
     unexpected += sorted(set(index.buffers) - set(slots.buffers))
-    if not matched and slots.slots:
+    if slots.slots and (not matched or (strict and 2 * len(matched) < len(slots.slots))):
         raise CheckpointError(
-            f"the checkpoint holds another model: none of its {len(index.params)} parameters "
-            f"(e.g. {sorted(index.params)[:3]}) match this model's (e.g. "
-            f"{[s.fqn for s in slots.slots[:3]]})"
+            f"the checkpoint holds another model: only {len(matched)} of this model's "
+            f"{len(slots.slots)} parameters are in it (checkpoint: e.g. "
+            f"{sorted(index.params)[:3]}; model: e.g. {[s.fqn for s in slots.slots[:3]]})"
         )
     if strict and (missing or unexpected):
         raise CheckpointError(

@@ -8,6 +8,8 @@ pieces (independently of the checkpoint code): ``{"params": {name: full tensor},
 from __future__ import annotations
 
 import copy
+import os
+import signal
 
 import numpy as np
 
@@ -16,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwrap
-from shardwrap.checkpoint import load_checkpoint, save_checkpoint
+from shardwrap import checkpoint
+from shardwrap.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tests import models
 from tests.dist import parity
 
@@ -164,3 +167,58 @@ def phase(rank: int, world_size: int, strategy: str, load_from, save_to, snapsho
         save_to, sharded, optim, extra={"step": next_step, "note": "tuple→list", "pair": (1, 2)}
     )
     return convert(local_pieces(sharded, optim), lambda t: t.numpy())
+
+
+def _die_halfway(path, items, metadata=None):
+    """Stand-in for ``write_stream``: leave half a temporary file, then SIGKILL this rank."""
+    folder, name = os.path.split(path)
+    with open(os.path.join(folder, f".{name}.tmp"), "wb") as handle:
+        handle.write(b"\0" * 64)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_phase(rank: int, world_size: int, load_from: str, save_to: str, snapshot) -> None:
+    """Load, train, then save with rank 1 killed while writing its file."""
+    torch.manual_seed(5)
+    sharded = wrap(models.TinyGPT(), world_size, "FULL_SHARD")
+    optim = parity.make_optimizer(sharded, "adamw")
+    load_checkpoint(load_from, sharded, optim)
+    check_equals_snapshot(sharded, optim, convert(snapshot, torch.from_numpy))
+    reference, ref_optim = reference_from(convert(snapshot, torch.from_numpy))
+    train_steps(sharded, optim, reference, ref_optim, world_size, rank, STEPS_PER_PHASE)
+    if rank == 1:
+        checkpoint.write_stream = _die_halfway
+    save_checkpoint(save_to, sharded, optim, extra={"step": 99})
+
+
+def load_outcomes(rank: int, world_size: int, paths: list[str], snapshot) -> list[str]:
+    """Try to load each of ``paths``; 'ok' after checking against ``snapshot``, else the error."""
+    outcomes = []
+    for path in paths:
+        torch.manual_seed(11)
+        sharded = wrap(models.TinyGPT(), world_size, "FULL_SHARD")
+        optim = parity.make_optimizer(sharded, "adamw")
+        try:
+            load_checkpoint(path, sharded, optim)
+        except CheckpointError as exc:
+            outcomes.append(str(exc))
+            continue
+        check_equals_snapshot(sharded, optim, convert(snapshot, torch.from_numpy))
+        outcomes.append("ok")
+    return outcomes
+
+
+def bad_load_outcomes(rank: int, world_size: int, cases: list[tuple[str, dict, bool]]):
+    """For each ``(path, TinyGPT kwargs or {"mlp": True}, strict)``: 'ok' or the error."""
+    outcomes = []
+    for path, model_kwargs, strict in cases:
+        torch.manual_seed(3)
+        model = models.MLP() if model_kwargs.get("mlp") else models.TinyGPT(**model_kwargs)
+        sharded = wrap(model, world_size, "FULL_SHARD")
+        optim = parity.make_optimizer(sharded, "adamw")
+        try:
+            load_checkpoint(path, sharded, optim if strict else None, strict=strict)
+            outcomes.append("ok")
+        except CheckpointError as exc:
+            outcomes.append(str(exc))
+    return outcomes
