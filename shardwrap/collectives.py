@@ -21,8 +21,14 @@ class CommRecord:
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
     purpose: str  # e.g. "params", "grads", "grad_presence", "init"
-    num_bytes: int  # bytes this rank sent into the collective (its input)
+    num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
     group_size: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends on a ring: (N-1)/N of the buffer, twice for an all-reduce."""
+        factor = 2.0 if self.kind == "all_reduce" else 1.0
+        return factor * self.num_bytes * (self.group_size - 1) / self.group_size
 
 
 @dataclass
@@ -86,7 +92,7 @@ class Communicator:
         if self.size == 1:
             out_full.copy_(in_shard)
             return _DoneWork()
-        self._record("all_gather", purpose, in_shard)
+        self._record("all_gather", purpose, out_full)
         return dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
 
     def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str):

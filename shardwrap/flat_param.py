@@ -126,6 +126,11 @@ class FlatParamHandle:
             for site in sites:
                 site.set(param)
 
+    def rename(self, prefix: str) -> None:
+        """Prefix every parameter name (the unit was adopted by an enclosing root)."""
+        self.unit_name = f"{prefix}.{self.unit_name}" if self.unit_name else prefix
+        self.layout = self.layout.with_prefix(prefix)
+
     # ------------------------------------------------------------ transitions
     @property
     def full_is_current(self) -> bool:

@@ -243,12 +243,20 @@ def _ignored_modules(
 
 
 def _absorb_nested(module: nn.Module) -> list[Unit]:
-    """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units."""
+    """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
+
+    The adopted units' names and parameter names become relative to ``module``.
+    """
     adopted: list[Unit] = []
-    for parent in list(module.modules()):
+    for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, ShardedModule):
+                path = f"{parent_name}.{child_name}" if parent_name else child_name
                 child._runtime.remove_hooks()
+                for unit in child._units:
+                    unit.name = f"{path}.{unit.name}" if unit.name else path
+                    if unit.handle is not None:
+                        unit.handle.rename(path)
                 adopted.extend(child._units)
                 parent._modules[child_name] = child.module
     return adopted
