@@ -28,9 +28,12 @@ from .ckpt_format import (
 class CheckpointReader:
     """Verified, range-restricted reads from one checkpoint folder."""
 
-    def __init__(self, root: str, index: CheckpointIndex) -> None:
+    def __init__(self, root: str, index: CheckpointIndex, *, keep_files_open: bool = True) -> None:
         self.root = root
         self.index = index
+        # Open files stay memory-mapped, and their touched pages count as resident; a
+        # streaming reader (consolidation) drops each file after each piece instead.
+        self.keep_files_open = keep_files_open
         self._open: dict[str, Any] = {}  # file name -> safe_open handle
         self._verified: set[tuple[str, str]] = set()  # (file, key) whose checksum matched
 
@@ -107,7 +110,8 @@ class CheckpointReader:
                 f"checkpoint {self.root}: file {file!r} (holding tensor {name!r}) is not a "
                 f"readable safetensors file ({exc})"
             ) from exc
-        self._open[file] = handle
+        if self.keep_files_open:
+            self._open[file] = handle
         return handle
 
 

@@ -222,3 +222,23 @@ def bad_load_outcomes(rank: int, world_size: int, cases: list[tuple[str, dict, b
         except CheckpointError as exc:
             outcomes.append(str(exc))
     return outcomes
+
+
+def pretrained_outcomes(rank: int, world_size: int, cases: list[tuple[str, str]], snapshot):
+    """Load each Hugging Face-layout ``path``; check pieces against the snapshot in ``dtype``."""
+    from shardwrap.pretrained import load_pretrained
+
+    snapshot = convert(snapshot, torch.from_numpy)
+    for path, dtype in cases:
+        torch.manual_seed(17)
+        sharded = wrap(models.TinyGPT(), world_size, "FULL_SHARD")
+        optim = parity.make_optimizer(sharded, "adamw")
+        load_pretrained(sharded, path)
+        rounded = {
+            "params": {
+                k: v.to(getattr(torch, dtype)).float() for k, v in snapshot["params"].items()
+            },
+            "state": {},
+        }
+        check_equals_snapshot(sharded, optim, rounded)
+    return True
