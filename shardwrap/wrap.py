@@ -12,6 +12,7 @@ from torch import nn
 
 from . import collectives, forward_methods, full_params, grad_clip
 from . import mixed_precision as precision
+from . import state_dict as _state_dict
 from .collectives import CollectiveChecker, CommLedger, Communicator
 from .groups import resolve_groups
 from .hooks import Unit
@@ -209,12 +210,38 @@ class ShardedModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars=False):
-        return self.module.state_dict(
-            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
-        )
+        """Under ``FULL_STATE_DICT`` (default): whole tensors, the unwrapped model's keys."""
+        if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+        return _state_dict.module_state_dict(self, destination=destination, prefix=prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise ValueError("load_state_dict: assign=True is not supported by ShardedModule")
+        return _state_dict.load_module_state_dict(self, state_dict, strict=strict)
+
+    # FSDP's static state-dict API (see shardwrap/state_dict.py).
+    state_dict_type = staticmethod(_state_dict.state_dict_type)
+    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
+    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *args, **kwargs):
+        """The optimizer's state keyed by parameter name (FSDP's ``optim_state_dict``)."""
+        _no_extra_optim_args("optim_state_dict", args, kwargs)
+        return _state_dict.optim_state_dict(model, optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, *args, **kwargs
+    ):
+        """A name-keyed optimizer state dict made loadable by ``optim.load_state_dict``."""
+        load_directly = kwargs.pop("load_directly", False)
+        kwargs.pop("is_named_optimizer", None)
+        _no_extra_optim_args("optim_state_dict_to_load", args, kwargs)
+        return _state_dict.optim_state_dict_to_load(
+            model, optim, optim_state_dict, load_directly=load_directly
+        )
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -226,6 +253,14 @@ class ShardedModule(nn.Module):
 
 
 FullyShardedDataParallel = ShardedModule
+
+
+def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:
+    if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
+        raise ValueError(
+            f"{method}: extra arguments {args or ''}{sorted(kwargs) or ''} are not supported "
+            "(process groups come from the model)"
+        )
 
 
 # ---------------------------------------------------------------- construction helpers
