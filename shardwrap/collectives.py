@@ -8,8 +8,9 @@ not recorded, because nothing is moved.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,8 @@ class CommRecord:
     purpose: str  # e.g. "params", "grads", "grad_presence", "init"
     num_bytes: int  # bytes this rank sent into the collective (its input)
     group_size: int
+    unit: str = ""  # the unit that issued it, when labelled (see Communicator.for_unit)
+    elapsed_s: float | None = None  # issue to end of wait, when the ledger times collectives
 
 
 @dataclass
@@ -30,9 +33,17 @@ class CommLedger:
     """Append-only list of collectives; ``reset`` between measured steps."""
 
     records: list[CommRecord] = field(default_factory=list)
+    time_collectives: bool = False  # labelled communicators note wall times (shardwrap.profile)
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
+
+    def note_elapsed(self, record: CommRecord, seconds: float) -> None:
+        """Attach a wall time to ``record`` (a no-op if the ledger was reset meanwhile)."""
+        for index in range(len(self.records) - 1, -1, -1):
+            if self.records[index] is record:
+                self.records[index] = replace(record, elapsed_s=seconds)
+                return
 
     def reset(self) -> None:
         self.records.clear()
@@ -124,6 +135,62 @@ class Communicator:
 
     def _record(self, kind: str, purpose: str, tensor: torch.Tensor) -> None:
         self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size))
+
+    def for_unit(self, unit: str) -> LabelledCommunicator:
+        """The same group and ledger, with records labelled as ``unit``'s traffic."""
+        labelled = LabelledCommunicator.__new__(LabelledCommunicator)
+        labelled.__dict__.update(self.__dict__)  # same group, ledger, rank and size
+        labelled.unit = unit
+        return labelled
+
+
+class LabelledCommunicator(Communicator):
+    """A :class:`Communicator` whose records name their unit and, while the ledger's
+    ``time_collectives`` is on, the wall time from issue to the end of their wait.
+
+    Made by :meth:`Communicator.for_unit`; the collectives themselves are the base class's.
+    """
+
+    unit: str
+
+    def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str):
+        return self._timed(super().all_gather, out_full, in_shard, purpose=purpose)
+
+    def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str):
+        return self._timed(super().reduce_scatter, out_shard, in_full, purpose=purpose)
+
+    def all_reduce(self, tensor: torch.Tensor, *, purpose: str, op=dist.ReduceOp.SUM):
+        return self._timed(super().all_reduce, tensor, purpose=purpose, op=op)
+
+    def broadcast(self, tensor: torch.Tensor, *, src_rank: int, purpose: str):
+        return self._timed(super().broadcast, tensor, src_rank=src_rank, purpose=purpose)
+
+    def _timed(self, issue, *args, **kwargs):
+        num_records = len(self.ledger.records)
+        start = time.perf_counter()
+        work = issue(*args, **kwargs)
+        # Groups of one rank record nothing (nothing moves), so there is nothing to time.
+        if not self.ledger.time_collectives or len(self.ledger.records) == num_records:
+            return work
+        return _TimedWork(work, self.ledger, self.ledger.records[-1], start)
+
+    def _record(self, kind: str, purpose: str, tensor: torch.Tensor) -> None:
+        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, self.unit))
+
+
+class _TimedWork:
+    """A waitable that notes, in the ledger, the time from issue to the end of its wait."""
+
+    def __init__(self, work, ledger: CommLedger, record: CommRecord, start: float) -> None:
+        self._work = work
+        self._ledger = ledger
+        self._record = record
+        self._start = start
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        self._ledger.note_elapsed(self._record, time.perf_counter() - self._start)
+        return done
 
 
 def is_initialized() -> bool:
