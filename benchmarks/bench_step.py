@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="5m,30m", help=f"comma list of {list(gpt.SIZES)}")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="timed rounds")
+    parser.add_argument("--steps", type=int, default=8, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first rounds")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report.table(size, num_params, summary))
         print(report.ratio_matrix(summary))
         print(report.comm_detail(summary), flush=True)
+        table = summary.get("sw_full_shard", {}).get("shardwrap_profile_table")
+        if table:
+            print("shardwrap.profile, sw_full_shard, last step, rank 0:\n" + table, flush=True)
     report.write_json(os.path.join(args.out, "bench_step.json"), results)
     report.write_chart(os.path.join(args.out, "bench_step.png"), results)
     print(f"wrote {args.out}/bench_step.json and {args.out}/bench_step.png")

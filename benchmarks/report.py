@@ -62,6 +62,7 @@ def summarize_size(raw: dict, *, warmup: int, world: int, elem: int, num_params:
             "stage": run["stage"],
             "step_seconds": [s["seconds"] for s in run["steps"]],
             "median_s": statistics.median(timed),
+            "min_s": min(timed),
             "losses": [s["loss"] for s in run["steps"]],
             "comm_bytes": comm,
             "comm_counts": counts,
@@ -75,6 +76,8 @@ def summarize_size(raw: dict, *, warmup: int, world: int, elem: int, num_params:
             "state_vs_16p_over_n": state_total / (4 * elem * num_params / world),
             "peak_rss": [f["peak_rss"] for f in run["finals"]],
             "baseline_rss": [f["baseline_rss"] for f in run["finals"]],
+            "num_threads": [f.get("num_threads") for f in run["finals"]],
+            "shardwrap_profile_table": run["finals"][0].get("profile_table"),
             "peak_rss_over_baseline": max(f["peak_rss"] - f["baseline_rss"] for f in run["finals"]),
         }
     _add_ratios(rows)
@@ -109,7 +112,7 @@ def _add_loss_diffs(rows: dict[str, dict]) -> None:
 # ------------------------------------------------------------------ output
 def table(size: str, num_params: int, rows: dict[str, dict]) -> str:
     head = (
-        f"{'impl':<20}{'median ms':>10}{'xDDP':>7}{'xpeer=':>7}{'xpeerZ3':>8}"
+        f"{'impl':<20}{'median ms':>10}{'min ms':>8}{'xDDP':>7}{'xpeerS':>7}{'xpeerZ3':>8}"
         f"{'comm MiB':>9}{'theory':>8}{'ratio':>6}{'state MiB':>10}{'theory':>8}"
         f"{'/16P/N':>7}{'RSS MiB':>8}{'+RSS':>6}{'dLoss':>9}"
     )
@@ -120,7 +123,8 @@ def table(size: str, num_params: int, rows: dict[str, dict]) -> str:
             continue
         ratios = r["ratios"]
         lines.append(
-            f"{name:<20}{1e3 * r['median_s']:>10.1f}{ratios.get('ddp', float('nan')):>7.2f}"
+            f"{name:<20}{1e3 * r['median_s']:>10.1f}{1e3 * r['min_s']:>8.1f}"
+            f"{ratios.get('ddp', float('nan')):>7.2f}"
             f"{ratios.get('fastest_peer_same_stage', float('nan')):>7.2f}"
             f"{ratios.get('fastest_peer_zero3', float('nan')):>8.2f}"
             f"{sum(r['comm_bytes'].values()) / MIB:>9.2f}"
@@ -194,6 +198,7 @@ def write_chart(path: str, results: dict) -> None:
             if ratio is not None:
                 ax.text(medians[y], y, f" {ratio:.2f}x DDP", va="center", fontsize=8)
         ax.invert_yaxis()
+        ax.set_xlim(0, 1.25 * max(medians))
         ax.set_xlabel("median step time (ms), 2 ranks, gloo, CPU")
         ax.set_title(f"{size} ({results['sizes'][size]['num_params'] / 1e6:.1f}M params)")
     fig.tight_layout()

@@ -113,6 +113,7 @@ def _serve(config: WorkerConfig, commands, results) -> None:
     final = {
         "model_state": trainer.model_state(),
         "peak_rss": peak_rss_bytes(),
+        "num_threads": torch.get_num_threads(),
         "baseline_rss": baseline_rss,
         "profile_table": getattr(trainer, "last_profile_table", None),
     }
