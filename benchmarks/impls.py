@@ -119,6 +119,8 @@ class DeepSpeedTrainer:
             "train_batch_size": micro_batch * world_size,
             "zero_optimization": {"stage": stage},
             "zero_allow_untested_optimizer": True,
+            # DeepSpeed clips to norm 1.0 unless told otherwise; no other implementation clips.
+            "gradient_clipping": 0.0,
             "steps_per_print": 10**9,
         }
         if torch.get_default_dtype() == torch.bfloat16:
