@@ -25,9 +25,12 @@ import time
 
 import torch.multiprocessing as mp
 
-from benchmarks import gpt, report
-from benchmarks.impls import IMPLS, deepspeed_available
-from benchmarks.worker import WorkerConfig, run
+if __package__ in (None, ""):  # run as a script (`make bench`): make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import gpt, report  # noqa: E402
+from benchmarks.impls import IMPLS, deepspeed_available  # noqa: E402
+from benchmarks.worker import WorkerConfig, run  # noqa: E402
 
 READY_TIMEOUT_S = 900.0  # twenty processes importing torch and building models on 2 cores
 STEP_TIMEOUT_S = 600.0
