@@ -104,6 +104,7 @@ class FlatParamHandle:
             for info, param in zip(layout.params, params, strict=True):
                 flat_init[info.offset : info.end].copy_(param.detach().reshape(-1))
         start, end = layout.shard_range(shard_comm.rank)
+        self.pieces = layout.pieces(shard_comm.rank)  # this rank's piece of each parameter
         # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
         self.flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
         # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
@@ -146,7 +147,7 @@ class FlatParamHandle:
         if self.num_shards == 1:
             view = self.flat_shard[info.offset : info.end].view(info.shape)
         else:
-            piece = self.layout.pieces(self.shard_comm.rank)[index]
+            piece = self.pieces[index]
             view = self.flat_shard[piece.shard_start : piece.shard_end]
         return nn.Parameter(view, requires_grad=info.requires_grad)
 
@@ -313,7 +314,7 @@ class FlatParamHandle:
             if self.num_shards == 1:
                 grad = pending[info.offset : info.end].view(info.shape)
             else:
-                piece = self.layout.pieces(self.shard_comm.rank)[index]
+                piece = self.pieces[index]
                 grad = pending[piece.shard_start : piece.shard_end]
             if param.grad is None:
                 param.grad = grad.clone()
