@@ -66,8 +66,9 @@ class StepRuntime:
                     self._abandon(unit)
 
     def _abandon(self, unit: Unit) -> None:
-        # A forward whose backward never ran (evaluation with grad enabled, an exception):
-        # drop its local gradients? No: keep them, as autograd would, and just reshard.
+        # A forward whose backward never ran (evaluation with grad enabled, an exception).
+        # Local gradients already accumulated stay, as autograd would keep them; only the
+        # gathered parameters are released.
         if unit.handle is not None and unit.strategy.free_after_backward:
             unit.handle.reshard(free=True)
         unit.state = TrainingState.IDLE
