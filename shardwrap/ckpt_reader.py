@@ -53,6 +53,10 @@ class CheckpointReader:
                 f"tensor {name!r}: range [{start}, {end}) outside its {entry.numel} elements"
             )
         dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
+        whole = [p for p in entry.pieces if p.start == start and p.end == end]
+        if whole:  # one stored piece is exactly the range: no extra copy
+            piece = whole[0]
+            return self._piece(name, piece.file, piece.key, end - start, dtype)
         out = torch.empty(end - start, dtype=dtype)
         for piece in entry.pieces:
             lo, hi = max(start, piece.start), min(end, piece.end)
