@@ -1,5 +1,6 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .groups import hybrid_process_groups
 from .options import (
     BackwardPrefetch,
@@ -9,10 +10,12 @@ from .options import (
     ShardingStrategy,
     StateDictType,
 )
+from .pretrained import load_pretrained
 from .wrap import FullyShardedDataParallel, ShardedModule
 
 __all__ = [
     "BackwardPrefetch",
+    "CheckpointError",
     "FullStateDictConfig",
     "ShardedStateDictConfig",
     "StateDictType",
@@ -21,5 +24,8 @@ __all__ = [
     "ShardedModule",
     "ShardingStrategy",
     "hybrid_process_groups",
+    "load_checkpoint",
+    "load_pretrained",
+    "save_checkpoint",
 ]
 __version__ = "0.1.0"

@@ -163,7 +163,9 @@ def _commit_index(
     """World rank 0, once every rank's file is durable: write the index, drop old files."""
     params = _param_entries(slots, reports)
     buffers = {
-        name: _entry(tuple(b.shape), dtype_name(b.dtype), _pieces(reports, "buffer", name, None))
+        name: _entry(
+            name, tuple(b.shape), dtype_name(b.dtype), _pieces(reports, "buffer", name, None)
+        )
         for name, b in slots.buffers.items()
     }
     optim_state = param_groups = None
@@ -205,15 +207,16 @@ def _pieces(reports: list[dict], kind: str, name: str, state: str | None) -> lis
     ]
 
 
-def _entry(shape: tuple[int, ...], dtype: str, pieces: list[PieceRef]) -> TensorEntry:
+def _entry(name: str, shape: tuple[int, ...], dtype: str, pieces: list[PieceRef]) -> TensorEntry:
+    """An index entry; its pieces must tile the tensor (else the save is refused)."""
     entry = TensorEntry(shape, dtype, tuple(sorted(pieces, key=lambda p: p.start)))
-    check_coverage("/".join(p.key for p in pieces[:1]) or "?", entry)
+    check_coverage(name, entry)
     return entry
 
 
 def _param_entries(slots: ModelSlots, reports: list[dict]) -> dict[str, TensorEntry]:
     return {
-        s.fqn: _entry(s.shape, dtype_name(s.dtype), _pieces(reports, "param", s.fqn, None))
+        s.fqn: _entry(s.fqn, s.shape, dtype_name(s.dtype), _pieces(reports, "param", s.fqn, None))
         for s in slots.slots
     }
 
@@ -235,7 +238,7 @@ def _optimizer_entries(slots: ModelSlots, optimizer, reports: list[dict]):
                 else:
                     shape = slot.shape if kind == SHARDED else ()
                     pieces = _pieces(reports, "optim", slot.fqn, state)
-                    entry = _entry(shape, dtype_name(value.dtype), pieces)
+                    entry = _entry(f"{slot.fqn}/{state}", shape, dtype_name(value.dtype), pieces)
                 state_entries.setdefault(slot.fqn, {})[state] = entry
     return state_entries, param_groups
 

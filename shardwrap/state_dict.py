@@ -88,8 +88,11 @@ def module_state_dict(model: nn.Module, *, destination=None, prefix: str = "") -
     settings = get_state_dict_type(model)
     slots = model_slots(model)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
-    values = _full_params(slots) if full else {s.fqn: s.local.detach() for s in slots.slots}
     skip = full and settings.state_dict_config.rank0_only and slots.world_comm.rank != 0
+    if full:
+        values = _full_params(slots, keep=not skip)
+    else:
+        values = {s.fqn: s.local.detach() for s in slots.slots}
     result = {} if destination is None else destination
     if skip:
         return result
@@ -113,11 +116,12 @@ def gather_flat(handle: FlatParamHandle, local_flat: torch.Tensor, purpose: str)
     return full
 
 
-def _full_params(slots: ModelSlots) -> dict[str, torch.Tensor]:
+def _full_params(slots: ModelSlots, *, keep: bool) -> dict[str, torch.Tensor]:
+    """Whole parameters, one unit gathered at a time (``keep=False``: only take part)."""
     result: dict[str, torch.Tensor] = {}
     for handle in _handles(slots):
         flat_full = gather_flat(handle, handle.flat_shard.detach(), "state_dict")
-        for info in handle.layout.params:
+        for info in handle.layout.params if keep else ():
             result[info.fqn] = flat_full[info.offset : info.end].clone().view(info.shape)
         del flat_full  # one unit at a time
     for slot in slots.slots:
