@@ -114,7 +114,7 @@ def _write_rank_file(
         return {"file": None, "records": records}
     name = shard_file_name(save_id, slots.world_comm.rank)
     written = write_stream(os.path.join(root, name), items, {"format": "pt", "save_id": save_id})
-    entry = FileEntry(written.size, written.sha256, written.tensor_sha256)
+    entry = FileEntry(written.size, written.sha256, written.chunk_bytes, written.chunk_sha256)
     return {"file": name, "file_entry": entry.to_json(), "records": records}
 
 

@@ -19,7 +19,14 @@ transformers = pytest.importorskip("transformers")
 
 def _tiny_gpt2():
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32, n_inner=64
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=100,
+        n_positions=32,
+        n_inner=64,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
