@@ -10,7 +10,8 @@ A checkpoint is a folder::
 Every saved tensor is a 1-D *piece*: the element range ``[start, end)`` of one original
 tensor, flattened. The index maps each original name to its global shape, dtype and the
 pieces (file, key, range) that cover it exactly once. Each file's entry carries its size,
-the sha256 of its bytes and the sha256 of every tensor in it. Nothing is pickled.
+the sha256 of its bytes and the sha256 of every fixed-size chunk of every tensor in it (a
+loading rank verifies just the chunks it reads). Nothing is pickled.
 
 A save writes every file under a temporary name, fsyncs it and renames it; only once all
 ranks' files are durable does rank 0 write the index the same way. A folder whose index

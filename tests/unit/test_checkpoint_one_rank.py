@@ -70,3 +70,19 @@ def test_size_dtype_and_shard_planning():
     sizes = [("a", 4), ("b", 4), ("c", 10), ("d", 1)]
     assert plan_shards(sizes, 8) == [["a", "b"], ["c"], ["d"]]
     assert plan_shards(sizes, 100) == [["a", "b", "c", "d"]]
+
+
+def test_parameters_outside_units_and_dtype_mismatch(one_rank, tmp_path):
+    torch.manual_seed(0)
+    net = models.MLP()
+    model = ShardedModule(net, ignored_modules=[net.head])  # head stays a plain parameter
+    save_checkpoint(tmp_path / "c", model)
+    torch.manual_seed(1)
+    other_net = models.MLP()
+    other = ShardedModule(other_net, ignored_modules=[other_net.head])
+    load_checkpoint(tmp_path / "c", other)
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+    wide = ShardedModule(models.MLP().double())
+    with pytest.raises(CheckpointError, match="'body.0.weight': checkpoint dtype torch.float32"):
+        load_checkpoint(tmp_path / "c", wide)
