@@ -13,6 +13,7 @@ Optimizer state dicts follow FSDP's ``optim_state_dict`` form: keyed by paramete
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,15 +50,24 @@ def set_state_dict_type(
     expected = (
         FullStateDictConfig if kind is StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
     )
-    config = expected() if state_dict_config is None else state_dict_config
-    if not isinstance(config, expected):
-        raise TypeError(
-            f"state_dict_config: {kind.name} takes {expected.__name__}, got {type(config).__name__}"
-        )
+    config = _as_config(expected, kind, state_dict_config)
     previous = get_state_dict_type(module)
     for root in _roots(module):
         _SETTINGS[root] = StateDictSettings(kind, config)
     return previous
+
+
+def _as_config(expected: type, kind: StateDictType, config: Any):
+    """Our config record; torch's record of the same name is converted field by field."""
+    if config is None:
+        return expected()
+    if isinstance(config, expected):
+        return config
+    if type(config).__name__ == expected.__name__:
+        return expected(**{f.name: getattr(config, f.name) for f in dataclasses.fields(expected)})
+    raise TypeError(
+        f"state_dict_config: {kind.name} takes {expected.__name__}, got {type(config).__name__}"
+    )
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
