@@ -138,6 +138,13 @@ def _grads_worker(rank: int, world_size: int, strategy: str) -> dict:
         if info.fqn.startswith("extra.")
     ]
     results = {}
+    seen: dict[str, object] = {}
+
+    def look_at_grads(optimizer, args, kwargs):
+        # what the optimizer sees when it steps (ZeRO-1 reduces right before this)
+        seen["extra_grad_none"] = [p.grad is None for p in extra_shards]
+
+    optim.register_step_pre_hook(look_at_grads)
     for step, users in enumerate([{0}, set()]):
         batches = [models.gpt_batch(10 * step + r) for r in range(world_size)]
         ref_loss = sum(
@@ -145,12 +152,12 @@ def _grads_worker(rank: int, world_size: int, strategy: str) -> dict:
         )
         (ref_loss / world_size).backward()
         models.gpt_loss(sharded, batches[rank], use_extra=rank in users).backward()
+        optim.step()
         results[step] = {
             "ref_extra_grad_none": reference.extra.weight.grad is None,
-            "extra_grad_none": [p.grad is None for p in extra_shards],
+            "extra_grad_none": seen["extra_grad_none"],
             "pos_grad_none": sharded.module.pos.grad is None and reference.pos.grad is None,
         }
-        optim.step()
         ref_optim.step()
         optim.zero_grad()
         ref_optim.zero_grad()
