@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwrap import CheckpointError, ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap import (
+    CheckpointError,
+    MixedPrecision,
+    ShardedModule,
+    load_checkpoint,
+    save_checkpoint,
+)
 from shardwrap.consolidate import parse_dtype, parse_size, plan_shards
 from tests import models
 from tests.dist import parity
@@ -86,3 +92,23 @@ def test_parameters_outside_units_and_dtype_mismatch(one_rank, tmp_path):
     wide = ShardedModule(models.MLP().double())
     with pytest.raises(CheckpointError, match="'body.0.weight': checkpoint dtype torch.float32"):
         load_checkpoint(tmp_path / "c", wide)
+
+
+def test_mixed_precision_saves_the_fp32_master_weights(one_rank, tmp_path):
+    torch.manual_seed(0)
+    low = ShardedModule(models.MLP(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    optim = parity.make_optimizer(low, "adamw")
+    models.mlp_loss(low, models.mlp_batch(0)).backward()
+    optim.step()
+    full = low.state_dict()
+    assert {v.dtype for v in full.values()} == {torch.float32}
+    save_checkpoint(tmp_path / "c", low, optim)
+    torch.manual_seed(1)
+    plain = ShardedModule(models.MLP())
+    plain_optim = parity.make_optimizer(plain, "adamw")
+    load_checkpoint(tmp_path / "c", plain, plain_optim)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
+    for p, q in zip(optim.param_groups[0]["params"], plain_optim.param_groups[0]["params"]):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(plain_optim.state[q][name], optim.state[p][name])
