@@ -87,14 +87,13 @@ class CheckpointReader:
         for chunk in range(first_chunk, end_chunk):
             if (piece.file, piece.key, chunk) in self._verified:
                 continue
-            offset = (chunk - first_chunk) * file_entry.chunk_bytes
-            if (
-                hashlib.sha256(raw[offset : offset + file_entry.chunk_bytes]).hexdigest()
-                != (digests[chunk])
-            ):
+            size = file_entry.chunk_bytes
+            offset = (chunk - first_chunk) * size
+            actual = hashlib.sha256(raw[offset : offset + size]).hexdigest()
+            if actual != digests[chunk]:
                 raise CheckpointError(
-                    f"{where}: checksum mismatch in bytes {chunk * file_entry.chunk_bytes}.."
-                    f"{(chunk + 1) * file_entry.chunk_bytes} (the file is corrupt)"
+                    f"{where}: checksum mismatch in bytes {chunk * size}..{(chunk + 1) * size} "
+                    "of the tensor (the file is corrupt)"
                 )
             self._verified.add((piece.file, piece.key, chunk))
         return data[first - lo : last - lo]

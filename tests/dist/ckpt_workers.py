@@ -191,12 +191,12 @@ def crash_phase(rank: int, world_size: int, load_from: str, save_to: str, snapsh
     save_checkpoint(save_to, sharded, optim, extra={"step": 99})
 
 
-def load_outcomes(rank: int, world_size: int, paths: list[str], snapshot) -> list[str]:
+def load_outcomes(rank: int, world_size: int, strategy: str, paths: list[str], snapshot):
     """Try to load each of ``paths``; 'ok' after checking against ``snapshot``, else the error."""
     outcomes = []
     for path in paths:
         torch.manual_seed(11)
-        sharded = wrap(models.TinyGPT(), world_size, "FULL_SHARD")
+        sharded = wrap(models.TinyGPT(), world_size, strategy)
         optim = parity.make_optimizer(sharded, "adamw")
         try:
             load_checkpoint(path, sharded, optim)
