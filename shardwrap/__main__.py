@@ -67,7 +67,7 @@ _COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardwrap", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="shardwrap", description="shardwrap offline tools")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (summary, fill, _run) in _COMMANDS.items():
         fill(commands.add_parser(name, help=summary, description=summary))
