@@ -173,7 +173,14 @@ def _load_pretrained(rank: int, arch: str, tie: bool, folder: str) -> dict:
     with torch.no_grad():
         expected = source(input_ids=batch).logits
         torch.testing.assert_close(sharded(input_ids=batch).logits, expected, rtol=0, atol=0)
-    return {"files": sorted(os.listdir(hf_folder))}
+    # generate() reads parameters outside forward (device, dtype, tied head) and loops over
+    # forward with a KV cache; registered, it runs on gathered parameters.
+    shardwrap.register_forward_method(sharded, "generate")
+    prompt = batch[:, :4]
+    options = {"max_new_tokens": 6, "do_sample": False, "use_cache": True, "pad_token_id": 0}
+    generated = sharded.generate(prompt, **options)
+    assert torch.equal(generated, source.generate(prompt, **options)), generated
+    return {"files": sorted(os.listdir(hf_folder)), "generated": tuple(generated.shape)}
 
 
 def hf_worker(rank: int, world_size: int, root: str) -> dict:
@@ -203,6 +210,7 @@ def test_hf_models_train_save_reload(tmp_path):
         assert stats["reloaded_tied"] is tie, case
         files = stats["files"]
         assert "config.json" in files, case
+        assert stats["generated"] == (BATCH_PER_RANK, 4 + 6), case
         if arch == "llama" and not tie:
             assert "model.safetensors.index.json" in files and len(files) > 3, case
         else:
