@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,11 @@ def _run_page(snippets: list[Snippet], folder: str) -> str | None:
             source = "\n" * (snippet.line - 1) + snippet.code
             exec(compile(source, snippet.page, "exec"), namespace)
         except BaseException:  # noqa: BLE001 - reported per page to the parent
-            return f"{snippet.page}:{snippet.line}:\n{traceback.format_exc()}"
+            report = f"{snippet.page}:{snippet.line}:\n{traceback.format_exc()}"
+            # Also now: a failure on one rank can leave the other in a collective, and the
+            # run may then die before the parent hears back.
+            print(f"snippet failed on this rank: {report}", file=sys.stderr, flush=True)
+            return report
     return None
 
 
