@@ -167,8 +167,13 @@ def _shardwrap(strategy: str):
         from shardwrap.policies import ModuleWrapPolicy
 
         wrapped = shardwrap.ShardedModule(
-            model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({gpt.Block})
+            model,
+            sharding_strategy=strategy,
+            auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
+            forward_prefetch=True,  # the next block's all-gather overlaps this one's forward
         )
+        # As FSDP1 and FSDP2 do: the root stays gathered from forward into backward.
+        wrapped.set_reshard_after_forward(False)
         return ShardwrapTrainer(wrapped)
 
     return build
