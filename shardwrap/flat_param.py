@@ -256,13 +256,13 @@ class FlatParamHandle:
 
     def start_reduce_grads(self) -> None:
         """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it."""
-        flat_grad = self._flatten_local_grads().to(self.reduce_dtype)
-        reduced = torch.empty_like(self.flat_shard, dtype=self.reduce_dtype)
+        flat_grad = self.take_local_grads()
         if self.num_shards == 1 and self.replicate_comm is not None:
             # Plain data parallel: the all-reduce is the first (and only) stage.
             work = self.replicate_comm.all_reduce(flat_grad, purpose="grads", unit=self.comm_label)
             self._reductions.append(_Reduction(work, flat_grad, flat_grad, replicate_done=True))
             return
+        reduced = torch.empty_like(self.flat_shard, dtype=self.reduce_dtype)
         work = self.shard_comm.reduce_scatter(
             reduced, flat_grad, purpose="grads", unit=self.comm_label
         )
@@ -272,17 +272,22 @@ class FlatParamHandle:
         """Wait for the reductions in flight and add them to ``pending_grad_shard``."""
         for reduction in self._reductions:
             reduction.work.wait()
-            reduced = reduction.output
-            if self.replicate_comm is not None and not reduction.replicate_done:
-                self.replicate_comm.all_reduce(
-                    reduced, purpose="grads", unit=self.comm_label
-                ).wait()
-            reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
-            if self.pending_grad_shard is None:
-                self.pending_grad_shard = reduced
-            else:
-                self.pending_grad_shard.add_(reduced)
+            self.accept_reduced(reduction.output, replicate_done=reduction.replicate_done)
         self._reductions.clear()
+
+    def take_local_grads(self) -> torch.Tensor:
+        """The local gradients as one flat, padded ``reduce_dtype`` tensor (full views cleared)."""
+        return self._flatten_local_grads().to(self.reduce_dtype)
+
+    def accept_reduced(self, reduced: torch.Tensor, *, replicate_done: bool) -> None:
+        """Finish a reduction of this rank's shard (1D, shard_numel): replicas, scale, add."""
+        if self.replicate_comm is not None and not replicate_done:
+            self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
+        reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
+        if self.pending_grad_shard is None:
+            self.pending_grad_shard = reduced
+        else:
+            self.pending_grad_shard.add_(reduced)
 
     @property
     def reduce_in_flight(self) -> bool:

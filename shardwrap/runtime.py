@@ -137,8 +137,8 @@ class StepRuntime:
             return
         self.deferred_grads_pending = False
         units = [u for u in self.units if u.strategy.reduces_at_step and u.handle is not None]
-        for unit in units:
-            unit.handle.reduce_grads()  # type: ignore[union-attr]
+        # Backward order, as ZeRO-2/3 reduce, so buckets fill the same way.
+        self.schedule.reduce_all([u.handle for u in reversed(units)])  # type: ignore[misc]
         self.vote_and_assign(units)
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:

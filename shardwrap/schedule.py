@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .bucketing import ReduceBucket
 from .flat_param import FlatParamHandle
 from .options import BackwardPrefetch
 
@@ -40,8 +41,11 @@ class Schedule:
     ) -> None:
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
+        self.reduce_bucket_bytes = 0  # 0: each unit reduces alone; see [Note: reduce buckets]
         self.previous_forward_order: list[Unit] = []  # the last completed step's order
         self._reducing: list[FlatParamHandle] = []  # reductions issued and not yet waited
+        self._bucket = ReduceBucket()  # units waiting to be reduced together
+        self._issued_buckets: list[ReduceBucket] = []  # fused reductions not yet waited
 
     # ------------------------------------------------------------- prefetch
     def after_pre_forward(self, unit: Unit) -> None:
@@ -71,18 +75,45 @@ class Schedule:
 
     # ----------------------------------------------------------- reductions
     def start_reduce(self, handle: FlatParamHandle) -> None:
-        """Issue ``handle``'s reduction after waiting for the one before it."""
+        """Issue ``handle``'s reduction (alone, or as part of a bucket)."""
+        if self.reduce_bucket_bytes <= 0:
+            self.finish_reduces()  # one reduction in flight: bounded gradient memory
+            handle.start_reduce_grads()
+            self._reducing.append(handle)
+            return
+        if not self._bucket.accepts(handle):
+            self.flush_bucket()
+        self._bucket.add(handle)
+        if self._bucket.num_bytes >= self.reduce_bucket_bytes:
+            self.flush_bucket()
+
+    def flush_bucket(self) -> None:
+        """Issue the collective of the units collected so far."""
+        if not self._bucket.handles:
+            return
         self.finish_reduces()
-        handle.start_reduce_grads()
-        self._reducing.append(handle)
+        self._bucket.issue()
+        self._issued_buckets.append(self._bucket)
+        self._bucket = ReduceBucket()
 
     def finish_reduces(self) -> None:
         for handle in self._reducing:
             handle.finish_reduce_grads()
         self._reducing.clear()
+        for bucket in self._issued_buckets:
+            bucket.finish()
+        self._issued_buckets.clear()
+
+    def reduce_all(self, handles: list[FlatParamHandle]) -> None:
+        """Reduce ``handles`` now (ZeRO-1 at the optimizer step), bucketed as configured."""
+        for handle in handles:
+            self.start_reduce(handle)
+        self.flush_bucket()
+        self.finish_reduces()
 
     def end_step(self, forward_order: list[Unit]) -> None:
         """Remember this step's order; settle reductions and prefetches nobody used."""
+        self.flush_bucket()
         self.finish_reduces()
         self.previous_forward_order = list(forward_order)
         for unit in forward_order:

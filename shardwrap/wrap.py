@@ -173,6 +173,19 @@ class ShardedModule(nn.Module):
         for unit in self._units[:1] if _check_bool("root_only", root_only) else self._units:
             unit.reshard_after_forward_override = value
 
+    def set_reduce_bucket_size(self, num_bytes: int) -> None:
+        """Fuse the gradient reductions of consecutive units up to ``num_bytes`` (0: off).
+
+        Fewer, larger collectives (like DDP's buckets and DeepSpeed's
+        ``reduce_bucket_size``), at the cost of holding up to ``num_bytes`` of flat
+        gradients until their bucket is reduced. See [Note: reduce buckets].
+        """
+        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
+            raise TypeError(f"num_bytes: expected an int, got {num_bytes!r}")
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes: must be >= 0 (0 turns bucketing off), got {num_bytes}")
+        self._runtime.schedule.reduce_bucket_bytes = num_bytes
+
     # ------------------------------------------------------------------ debug
     def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:
         """Check before every collective that all ranks run the same one (see

@@ -25,6 +25,7 @@ class Case:
     forward_prefetch: bool = False
     backward_prefetch: str | None = "BACKWARD_PRE"
     keep_root_gathered: bool = False  # set_reshard_after_forward(False) on the root
+    reduce_bucket_bytes: int = 0  # set_reduce_bucket_size
 
 
 def build_model(kind: str) -> nn.Module:
@@ -76,6 +77,7 @@ def wrap_case(model: nn.Module, case: Case) -> shardwrap.ShardedModule:
     )
     if case.keep_root_gathered:
         sharded.set_reshard_after_forward(False)
+    sharded.set_reduce_bucket_size(case.reduce_bucket_bytes)
     return sharded
 
 

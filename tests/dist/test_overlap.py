@@ -14,6 +14,8 @@ SCHEDULES = [
     {"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST"},
     {"forward_prefetch": False, "backward_prefetch": None},
     {"forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE", "keep_root_gathered": True},
+    {"reduce_bucket_bytes": 40_000},  # a block and a half per bucket: mixed bucket sizes
+    {"reduce_bucket_bytes": 1 << 30, "forward_prefetch": True},  # everything in one bucket
 ]
 
 
@@ -24,7 +26,7 @@ def _schedules_worker(rank: int, world_size: int, strategy: str) -> int:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD"])
 def test_schedules_match_reference(strategy: str, world_size: int) -> None:
     assert run_ranks(_schedules_worker, world_size, strategy) == [len(SCHEDULES)] * world_size
 
@@ -63,3 +65,36 @@ def test_prefetch_keeps_traffic_and_memory_as_the_theory() -> None:
     assert root_kept["gathers"] == 2 * root_kept["num_units"] - 1
     assert root_kept["held_between"] == [True] + [False] * (root_kept["num_units"] - 1)
     assert root_kept["after_step"] == [0] * root_kept["num_units"]
+
+
+def _bucket_worker(rank: int, world_size: int, strategy: str) -> dict:
+    model = shardwrap.ShardedModule(
+        build_model("gpt"), sharding_strategy=strategy, auto_wrap_policy=wrap_policy("gpt")
+    )
+    model.set_reduce_bucket_size(1 << 30)
+    optim = make_optimizer(model, "adamw")
+    for step in range(2):
+        model.comm_ledger.reset()
+        models.gpt_loss(model, models.gpt_batch(step + rank)).backward()
+        optim.step()
+        optim.zero_grad()
+    handles = [u.handle for u in model.units]
+    return {
+        "summary": model.comm_ledger.summary(),
+        "padded_bytes": sum(h.layout.padded_numel * 4 for h in handles),
+    }
+
+
+@pytest.mark.parametrize(
+    "strategy,kind", [("FULL_SHARD", "reduce_scatter"), ("SHARD_OPTIM", "reduce_scatter"),
+                      ("NO_SHARD", "all_reduce")]
+)  # fmt: skip
+def test_one_bucket_means_one_gradient_collective(strategy: str, kind: str) -> None:
+    result = run_ranks(_bucket_worker, 2, strategy)[0]
+    # all units' gradients in one collective of the same total size
+    assert result["summary"][(kind, "grads")] == (1, result["padded_bytes"])
+
+
+def test_bucket_size_is_validated() -> None:
+    with pytest.raises(TypeError, match="num_bytes"):
+        shardwrap.ShardedModule.set_reduce_bucket_size(None, 1.5)  # type: ignore[arg-type]
