@@ -96,8 +96,8 @@ class FlatParamHandle:
         self.flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
         # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
         self.flat_full = (
-            flat_init
-            if not self.separate_full
+            flat_init  # released by the reshard below when separate_full
+            if self.compute_dtype == dtype
             else torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
         )
         self.full_params = [self._make_full_view(i) for i in range(len(params))]

@@ -13,6 +13,7 @@ from torch import nn
 from . import collectives, forward_methods, full_params, grad_clip
 from . import mixed_precision as precision
 from .collectives import CommLedger, Communicator
+from .deferred_init import UnitMaterializer, has_meta
 from .groups import resolve_groups
 from .hooks import Unit
 from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -101,11 +102,10 @@ class ShardedModule(nn.Module):
             else None
         )
         absorbed = _absorb_nested(module)
-        _materialize(module, param_init_fn, device_id)
-        if device_id is not None:
-            module.to(torch.device(device_id) if isinstance(device_id, int) else device_id)
-        if sync_module_states:
-            _broadcast_from_rank0(module, world_comm, ignored)
+        deferred = has_meta(module)
+        device = torch.device("cpu") if device_id is None else torch.device(device_id)
+        if device_id is not None and not deferred:
+            module.to(device)
         excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
         absorbed_modules = {u.module for u in absorbed}
         unit_modules = select_units(module, policy, ignored | absorbed_modules)
@@ -113,21 +113,38 @@ class ShardedModule(nn.Module):
         unit_modules += [m for m in full_precision if m not in unit_modules]
         precision.cast_buffers(module, self.mixed_precision, keep=full_precision)
         records = collect_params(module, ignored, excluded)
-        _check_one_device(records)
+        if not deferred:
+            _check_one_device(records)
         owned = assign_params(module, unit_modules, records)
+        del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
         names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-        new_units = [
-            build_unit(
-                name=names[id(m)],
-                module=m,
-                records=owned[id(m)],
-                shard_comm=shard_comm,
-                replicate_comm=replicate_comm,
-                strategy=self.sharding_strategy,
-                mixed_precision=None if m in full_precision else self.mixed_precision,
+        materializer = UnitMaterializer(
+            module,
+            unit_modules,
+            ignored,
+            param_init_fn,
+            device,
+            sync_comm=world_comm if sync_module_states else None,
+        )
+        new_units = []
+        for m in [module, *unit_modules]:
+            unit_records = owned.pop(id(m))
+            if deferred or sync_module_states:
+                materializer.prepare(m, unit_records, module)
+            new_units.append(
+                build_unit(
+                    name=names[id(m)],
+                    module=m,
+                    records=unit_records,
+                    shard_comm=shard_comm,
+                    replicate_comm=replicate_comm,
+                    strategy=self.sharding_strategy,
+                    mixed_precision=None if m in full_precision else self.mixed_precision,
+                )
             )
-            for m in [module, *unit_modules]
-        ]
+            del unit_records
+        if deferred or sync_module_states:
+            materializer.finish(module, ignored)
         self.module = module
         self._units: list[Unit] = new_units + list(absorbed)
         for unit in self._units:
@@ -272,37 +289,6 @@ def _absorb_nested(module: nn.Module) -> list[Unit]:
                 adopted.extend(child._units)
                 parent._modules[child_name] = child.module
     return adopted
-
-
-def _materialize(
-    module: nn.Module, param_init_fn: Callable | None, device_id: int | torch.device | None
-) -> None:
-    """Give parameters built on the meta device real storage, then initialise them."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if not any(t.is_meta for t in tensors):
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise TypeError("param_init_fn: expected a callable taking the module")
-        return
-    device = torch.device("cpu") if device_id is None else torch.device(device_id)
-    if param_init_fn is not None:
-        if not callable(param_init_fn):
-            raise TypeError("param_init_fn: expected a callable taking the module")
-        param_init_fn(module)
-    else:
-        module.to_empty(device=device)
-        with torch.no_grad():
-            for sub in module.modules():
-                if callable(getattr(sub, "reset_parameters", None)):
-                    sub.reset_parameters()
-    still_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if still_meta:
-        raise ValueError(f"param_init_fn: left {still_meta[:5]} on the meta device")
-
-
-def _broadcast_from_rank0(module: nn.Module, comm: Communicator, ignored: set[nn.Module]) -> None:
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.data, src_rank=0, purpose="init").wait()
 
 
 def _check_one_device(records: list) -> None:
