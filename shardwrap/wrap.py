@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import collectives, forward_methods, full_params, grad_clip
+from . import batch_weight, collectives, forward_methods, full_params, grad_clip, optimizer_guard
 from . import mixed_precision as precision
 from .collectives import CommLedger, Communicator
 from .deferred_init import UnitMaterializer, has_meta
@@ -131,6 +131,7 @@ class ShardedModule(nn.Module):
             unit_records = owned.pop(id(m))
             if deferred or sync_module_states:
                 materializer.prepare(m, unit_records, module)
+            optimizer_guard.retire([r.param for r in unit_records])
             new_units.append(
                 build_unit(
                     name=names[id(m)],
@@ -169,6 +170,10 @@ class ShardedModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the full gradients' total norm to ``max_norm``; see :mod:`.grad_clip`."""
         return grad_clip.clip_grad_norm_(self, max_norm, norm_type)
+
+    def batch_weight(self, local_count: int) -> float:
+        """Loss factor for unequal per-rank batch sizes; see :mod:`.batch_weight`."""
+        return batch_weight.batch_weight(self, local_count)
 
     summon_full_params = staticmethod(full_params.summon_full_params)
     register_forward_method = staticmethod(forward_methods.register_forward_method)
