@@ -117,7 +117,6 @@ class ShardedModule(nn.Module):
             _check_one_device(records)
         owned = assign_params(module, unit_modules, records)
         del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
-        names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
         materializer = UnitMaterializer(
             module,
             unit_modules,
@@ -126,24 +125,17 @@ class ShardedModule(nn.Module):
             device,
             sync_comm=world_comm if sync_module_states else None,
         )
-        new_units = []
-        for m in [module, *unit_modules]:
-            unit_records = owned.pop(id(m))
-            if deferred or sync_module_states:
-                materializer.prepare(m, unit_records, module)
-            optimizer_guard.retire([r.param for r in unit_records])
-            new_units.append(
-                build_unit(
-                    name=names[id(m)],
-                    module=m,
-                    records=unit_records,
-                    shard_comm=shard_comm,
-                    replicate_comm=replicate_comm,
-                    strategy=self.sharding_strategy,
-                    mixed_precision=None if m in full_precision else self.mixed_precision,
-                )
-            )
-            del unit_records
+        new_units = _build_units(
+            module,
+            unit_modules,
+            owned,
+            materializer=materializer if deferred or sync_module_states else None,
+            shard_comm=shard_comm,
+            replicate_comm=replicate_comm,
+            strategy=self.sharding_strategy,
+            mixed_precision=self.mixed_precision,
+            full_precision=full_precision,
+        )
         if deferred or sync_module_states:
             materializer.finish(module, ignored)
         self.module = module
@@ -249,6 +241,45 @@ def _check_bool(argument: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{argument}: expected a bool, got {value!r}")
     return value
+
+
+def _build_units(
+    root: nn.Module,
+    unit_modules: list[nn.Module],
+    owned: dict[int, list],
+    *,
+    materializer: UnitMaterializer | None,
+    shard_comm: Communicator,
+    replicate_comm: Communicator | None,
+    strategy: ShardingStrategy,
+    mixed_precision: MixedPrecision | None,
+    full_precision: list[nn.Module],
+) -> list[Unit]:
+    """One unit per module, root first; materialise each right before it is sharded.
+
+    ``owned`` is consumed, so each unit's full parameters die once its shard is built
+    ([Note: unit-by-unit materialisation] in ``deferred_init.py``).
+    """
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    units = []
+    for module in [root, *unit_modules]:
+        records = owned.pop(id(module))
+        if materializer is not None:
+            materializer.prepare(module, records, root)
+        optimizer_guard.retire([r.param for r in records])
+        units.append(
+            build_unit(
+                name=names[id(module)],
+                module=module,
+                records=records,
+                shard_comm=shard_comm,
+                replicate_comm=replicate_comm,
+                strategy=strategy,
+                mixed_precision=None if module in full_precision else mixed_precision,
+            )
+        )
+        del records
+    return units
 
 
 def _full_precision_units(
