@@ -13,7 +13,9 @@ life of the handle:
 
 ``flat_full``'s storage is released (resized to 0) when the unit reshards and re-allocated
 in place when it unshards, so the full views stay valid objects without holding memory.
-With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed.
+With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed,
+unless mixed precision asks for a low-precision ``flat_full`` (``separate_full``; see
+``[Note: mixed-precision data flow]`` in ``mixed_precision.py``).
 
 [Note: version counters]
 Writing gathered data into ``flat_full`` must not bump its autograd version counter:
