@@ -3,11 +3,22 @@
 from .forward_methods import register_forward_method
 from .grad_scaler import ShardedGradScaler
 from .groups import hybrid_process_groups
-from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .options import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
 from .wrap import FullyShardedDataParallel, ShardedModule
 
 __all__ = [
     "BackwardPrefetch",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "StateDictType",
     "CPUOffload",
     "FullyShardedDataParallel",
     "MixedPrecision",

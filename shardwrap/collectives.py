@@ -8,11 +8,15 @@ not recorded, because nothing is moved.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +25,16 @@ class CommRecord:
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
     purpose: str  # e.g. "params", "grads", "grad_presence", "init"
-    num_bytes: int  # bytes this rank sent into the collective (its input)
+    num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
     group_size: int
+    unit: str = ""  # the unit it serves ("" for the root unit or none)
+    elapsed_s: float | None = None  # issue to end of wait, when the ledger times collectives
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends on a ring: (N-1)/N of the buffer, twice for an all-reduce."""
+        factor = 2.0 if self.kind == "all_reduce" else 1.0
+        return factor * self.num_bytes * (self.group_size - 1) / self.group_size
 
 
 @dataclass
@@ -30,9 +42,17 @@ class CommLedger:
     """Append-only list of collectives; ``reset`` between measured steps."""
 
     records: list[CommRecord] = field(default_factory=list)
+    time_collectives: bool = False  # note each collective's wall time (shardwrap.profile)
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
+
+    def note_elapsed(self, record: CommRecord, seconds: float) -> None:
+        """Attach a wall time to ``record`` (a no-op if the ledger was reset meanwhile)."""
+        for index in range(len(self.records) - 1, -1, -1):
+            if self.records[index] is record:
+                self.records[index] = replace(record, elapsed_s=seconds)
+                return
 
     def reset(self) -> None:
         self.records.clear()
@@ -80,38 +100,48 @@ class Communicator:
         self.ledger = ledger
         self.rank: int = dist.get_rank(group) if group is not None else 0
         self.size: int = dist.get_world_size(group) if group is not None else 1
+        self.checker: CollectiveChecker | None = None  # debug: verify ranks agree first
 
-    def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str):
+    def all_gather(
+        self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit: str = ""
+    ):
         """Concatenate every rank's ``in_shard`` into ``out_full``; returns a waitable."""
         if self.size == 1:
             out_full.copy_(in_shard)
             return _DoneWork()
-        self._record("all_gather", purpose, in_shard)
-        return dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
+        start = self._record("all_gather", purpose, out_full, unit)
+        work = dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
+        return self._timed(work, start)
 
-    def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str):
+    def reduce_scatter(
+        self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit: str = ""
+    ):
         """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``."""
         if self.size == 1:
             out_shard.copy_(in_full)
             return _DoneWork()
-        self._record("reduce_scatter", purpose, in_full)
-        return dist.reduce_scatter_single(
+        start = self._record("reduce_scatter", purpose, in_full, unit)
+        work = dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
+        return self._timed(work, start)
 
-    def all_reduce(self, tensor: torch.Tensor, *, purpose: str, op=dist.ReduceOp.SUM):
+    def all_reduce(
+        self, tensor: torch.Tensor, *, purpose: str, unit: str = "", op=dist.ReduceOp.SUM
+    ):
         """In-place reduction of ``tensor`` over ranks; returns a waitable."""
         if self.size == 1:
             return _DoneWork()
-        self._record("all_reduce", purpose, tensor)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        start = self._record("all_reduce", purpose, tensor, unit)
+        return self._timed(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), start)
 
     def broadcast(self, tensor: torch.Tensor, *, src_rank: int, purpose: str):
         """Copy ``tensor`` from group rank ``src_rank`` to every rank; returns a waitable."""
         if self.size == 1:
             return _DoneWork()
-        self._record("broadcast", purpose, tensor)
-        return dist.broadcast(tensor, group=self.group, group_src=src_rank, async_op=True)
+        start = self._record("broadcast", purpose, tensor)
+        work = dist.broadcast(tensor, group=self.group, group_src=src_rank, async_op=True)
+        return self._timed(work, start)
 
     def all_gather_object(self, obj: object, *, purpose: str) -> list[object]:
         """Every rank's ``obj`` (small Python values: flags, names, shapes)."""
@@ -122,8 +152,77 @@ class Communicator:
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
         return gathered
 
-    def _record(self, kind: str, purpose: str, tensor: torch.Tensor) -> None:
-        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size))
+    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> float:
+        """Check (debug), record, and return the issue time for :meth:`_timed`."""
+        if self.checker is not None:
+            self.checker.check(kind, purpose, unit, tensor, self.size)
+        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit))
+        return time.perf_counter()
+
+    def _timed(self, work, start: float):
+        if not self.ledger.time_collectives:
+            return work
+        return _TimedWork(work, self.ledger, self.ledger.records[-1], start)
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to issue different collectives (the run would have hung)."""
+
+
+class CollectiveChecker:
+    """Debug aid: before each collective, every rank confirms it is about to run the same one.
+
+    [Note: hangs become errors]
+    A rank that takes another branch issues a different collective (or one for another
+    unit) and the job hangs until the process-group timeout. With a checker, each rank
+    first shares a small signature (unit, kind, purpose, element count, dtype) over the
+    world group; any difference raises :class:`CollectiveMismatchError` on every rank,
+    naming the first rank that differs from rank 0 and the units involved. On gloo a
+    monitored barrier first names ranks that never reach the check at all. It costs one
+    small object all-gather per collective, so it is off unless asked for.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.num_checked = 0
+
+    def check(self, kind: str, purpose: str, unit: str, tensor: torch.Tensor, size: int) -> None:
+        mine = (unit, kind, purpose, tensor.numel(), str(tensor.dtype), size)
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        signatures: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(signatures, mine)
+        self.num_checked += 1
+        for rank, theirs in enumerate(signatures):
+            if theirs != signatures[0]:
+                raise CollectiveMismatchError(
+                    f"collective #{self.num_checked} diverged first at rank {rank}: rank 0 is "
+                    f"about to run {_describe(signatures[0])}, rank {rank} {_describe(theirs)} "
+                    f"(this rank, {dist.get_rank()}: {_describe(mine)}). A rank took another "
+                    "branch through the model; every rank must run the same units in order."
+                )
+
+
+def _describe(signature: object) -> str:
+    unit, kind, purpose, numel, dtype, _ = signature  # type: ignore[misc]
+    return f"{kind} of {purpose} for unit {unit or '<root>'!r} ({numel} x {dtype})"
+
+
+class _TimedWork:
+    """A waitable that notes, in the ledger, the time from issue to the end of its wait."""
+
+    def __init__(self, work, ledger: CommLedger, record: CommRecord, start: float) -> None:
+        self._work = work
+        self._ledger = ledger
+        self._record = record
+        self._start = start
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        self._ledger.note_elapsed(self._record, time.perf_counter() - self._start)
+        return done
 
 
 def is_initialized() -> bool:

@@ -32,7 +32,7 @@ import enum
 import torch
 from torch import nn
 
-from .collectives import Communicator
+from .collectives import ROOT_LABEL, Communicator
 from .layout import FlatLayout
 from .mixed_precision import HandlePrecision
 from .options import ShardingStrategy
@@ -139,6 +139,16 @@ class FlatParamHandle:
             for site in sites:
                 site.set(param)
 
+    @property
+    def comm_label(self) -> str:
+        """The unit's name as its collectives are recorded."""
+        return self.unit_name or ROOT_LABEL
+
+    def rename(self, prefix: str) -> None:
+        """Prefix every parameter name (the unit was adopted by an enclosing root)."""
+        self.unit_name = f"{prefix}.{self.unit_name}" if self.unit_name else prefix
+        self.layout = self.layout.with_prefix(prefix)
+
     # ------------------------------------------------------------ transitions
     @property
     def full_is_current(self) -> bool:
@@ -162,7 +172,9 @@ class FlatParamHandle:
             # Cast before gathering, so the collective moves compute_dtype bytes.
             shard = self.flat_shard.detach().to(self.compute_dtype)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                self.shard_comm.all_gather(self.flat_full, shard, purpose="params").wait()
+                self.shard_comm.all_gather(
+                    self.flat_full, shard, purpose="params", unit=self.comm_label
+                ).wait()
         self._gathered_version = self.flat_shard._version
 
     def reshard(self, *, free: bool) -> None:
@@ -192,9 +204,11 @@ class FlatParamHandle:
         """
         flat_grad = self._flatten_local_grads().to(self.reduce_dtype)
         reduced = torch.empty_like(self.flat_shard, dtype=self.reduce_dtype)
-        self.shard_comm.reduce_scatter(reduced, flat_grad, purpose="grads").wait()
+        self.shard_comm.reduce_scatter(
+            reduced, flat_grad, purpose="grads", unit=self.comm_label
+        ).wait()
         if self.replicate_comm is not None:
-            self.replicate_comm.all_reduce(reduced, purpose="grads").wait()
+            self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
         reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
         if self.pending_grad_shard is None:
             self.pending_grad_shard = reduced

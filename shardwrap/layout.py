@@ -11,7 +11,7 @@ owns the contiguous element range ``[r * shard_numel, (r + 1) * shard_numel)``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +106,11 @@ class FlatLayout:
             infos.append(info)
             offset = info.end
         return FlatLayout(tuple(infos), num_shards)
+
+    def with_prefix(self, prefix: str) -> FlatLayout:
+        """The same layout with ``prefix.`` in front of every parameter name."""
+        renamed = tuple(replace(info, fqn=f"{prefix}.{info.fqn}") for info in self.params)
+        return FlatLayout(renamed, self.num_shards)
 
     @property
     def unpadded_numel(self) -> int:

@@ -153,3 +153,59 @@ class MixedPrecision:
                 module_classes_to_ignore=tuple(value._module_classes_to_ignore),
             )
         raise TypeError(f"mixed_precision: expected MixedPrecision or None, got {value!r}")
+
+
+class StateDictType(enum.Enum):
+    """What ``ShardedModule.state_dict()`` returns (FSDP's names).
+
+    ``FULL_STATE_DICT`` (the default): whole tensors under the unwrapped model's names.
+    ``SHARDED_STATE_DICT``: this rank's pieces (1-D slices of the flattened originals, or
+    whole tensors where a unit is not sharded) under the same names; they load back only
+    into the same world size and strategy. Use ``shardwrap.checkpoint`` to reshard.
+    """
+
+    FULL_STATE_DICT = "FULL_STATE_DICT"
+    SHARDED_STATE_DICT = "SHARDED_STATE_DICT"
+
+    @classmethod
+    def parse(cls, value: object) -> StateDictType:
+        """Accept our member, torch's ``StateDictType`` member, or a name."""
+        if isinstance(value, cls):
+            return value
+        name = value.name if isinstance(value, enum.Enum) else value
+        if isinstance(name, str) and name.upper() in cls.__members__:
+            return cls[name.upper()]
+        allowed = ", ".join(cls.__members__)
+        raise ValueError(f"state_dict_type: unsupported value {value!r}; allowed: {allowed}")
+
+
+def _check_bools(record: object, *names: str) -> None:
+    for name in names:
+        value = getattr(record, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FullStateDictConfig:
+    """Options of ``FULL_STATE_DICT``.
+
+    ``offload_to_cpu``: return tensors in host memory. ``rank0_only``: only world rank 0
+    gets the state dict (the others take part in the gathers and get ``{}``).
+    """
+
+    offload_to_cpu: bool = False
+    rank0_only: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bools(self, "offload_to_cpu", "rank0_only")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedStateDictConfig:
+    """Options of ``SHARDED_STATE_DICT``: ``offload_to_cpu`` returns host-memory copies."""
+
+    offload_to_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bools(self, "offload_to_cpu")

@@ -12,7 +12,8 @@ from torch import nn
 
 from . import batch_weight, collectives, forward_methods, full_params, grad_clip, optimizer_guard
 from . import mixed_precision as precision
-from .collectives import CommLedger, Communicator
+from . import state_dict as _state_dict
+from .collectives import CollectiveChecker, CommLedger, Communicator
 from .deferred_init import UnitMaterializer, has_meta
 from .groups import resolve_groups
 from .hooks import Unit
@@ -170,6 +171,33 @@ class ShardedModule(nn.Module):
     summon_full_params = staticmethod(full_params.summon_full_params)
     register_forward_method = staticmethod(forward_methods.register_forward_method)
 
+    # ------------------------------------------------------------------ debug
+    def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:
+        """Check before every collective that all ranks run the same one (see
+        :class:`shardwrap.collectives.CollectiveChecker`); a divergence raises on every rank
+        instead of hanging. Costs one small object all-gather per collective."""
+        checker = CollectiveChecker(timeout_s) if _check_bool("enabled", enabled) else None
+        for comm in self._communicators():
+            comm.checker = checker
+
+    @contextlib.contextmanager
+    def checking_collectives(self, *, timeout_s: float = 60.0) -> Iterator[None]:
+        """Context manager form of :meth:`set_collective_checks`."""
+        self.set_collective_checks(True, timeout_s=timeout_s)
+        try:
+            yield
+        finally:
+            self.set_collective_checks(False)
+
+    def _communicators(self) -> list[Communicator]:
+        comms = [self._runtime.world_comm]
+        for unit in self._units:
+            if unit.handle is not None:
+                comms.append(unit.handle.shard_comm)
+                if unit.handle.replicate_comm is not None:
+                    comms.append(unit.handle.replicate_comm)
+        return comms
+
     # ------------------------------------------------------------ introspection
     @property
     def units(self) -> list[Unit]:
@@ -196,12 +224,38 @@ class ShardedModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars=False):
-        return self.module.state_dict(
-            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
-        )
+        """Under ``FULL_STATE_DICT`` (default): whole tensors, the unwrapped model's keys."""
+        if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+        return _state_dict.module_state_dict(self, destination=destination, prefix=prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise ValueError("load_state_dict: assign=True is not supported by ShardedModule")
+        return _state_dict.load_module_state_dict(self, state_dict, strict=strict)
+
+    # FSDP's static state-dict API (see shardwrap/state_dict.py).
+    state_dict_type = staticmethod(_state_dict.state_dict_type)
+    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
+    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *args, **kwargs):
+        """The optimizer's state keyed by parameter name (FSDP's ``optim_state_dict``)."""
+        _no_extra_optim_args("optim_state_dict", args, kwargs)
+        return _state_dict.optim_state_dict(model, optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, *args, **kwargs
+    ):
+        """A name-keyed optimizer state dict made loadable by ``optim.load_state_dict``."""
+        load_directly = kwargs.pop("load_directly", False)
+        kwargs.pop("is_named_optimizer", None)
+        _no_extra_optim_args("optim_state_dict_to_load", args, kwargs)
+        return _state_dict.optim_state_dict_to_load(
+            model, optim, optim_state_dict, load_directly=load_directly
+        )
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -213,6 +267,14 @@ class ShardedModule(nn.Module):
 
 
 FullyShardedDataParallel = ShardedModule
+
+
+def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:
+    if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
+        raise ValueError(
+            f"{method}: extra arguments {args or ''}{sorted(kwargs) or ''} are not supported "
+            "(process groups come from the model)"
+        )
 
 
 # ---------------------------------------------------------------- construction helpers
@@ -316,12 +378,20 @@ def _ignored_modules(
 
 
 def _absorb_nested(module: nn.Module) -> list[Unit]:
-    """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units."""
+    """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
+
+    The adopted units' names and parameter names become relative to ``module``.
+    """
     adopted: list[Unit] = []
-    for parent in list(module.modules()):
+    for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, ShardedModule):
+                path = f"{parent_name}.{child_name}" if parent_name else child_name
                 child._runtime.remove_hooks()
+                for unit in child._units:
+                    unit.name = f"{path}.{unit.name}" if unit.name else path
+                    if unit.handle is not None:
+                        unit.handle.rename(path)
                 adopted.extend(child._units)
                 parent._modules[child_name] = child.module
     return adopted

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +32,27 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
+def _collect(procs, queue, results: dict[int, Any], errors: list[str]) -> None:
+    """Wait for every rank's report; stop early on a failure or on a rank that died silently."""
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while len(results) < len(procs):
+        try:
+            rank, ok, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+            if dead:
+                errors.append(f"ranks {dead} exited with codes {[procs[i].exitcode for i in dead]}")
+                return
+            if time.monotonic() > deadline:
+                errors.append(f"ranks did not finish within {RANK_TIMEOUT_S}s (hang?)")
+                return
+            continue
+        if not ok:
+            errors.append(f"rank {rank}:\n{payload}")
+            return
+        results[rank] = payload
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank."""
     ctx = mp.get_context("spawn")
@@ -45,15 +68,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         results: dict[int, Any] = {}
         errors: list[str] = []
         try:
-            for _ in procs:
-                rank, ok, payload = queue.get(timeout=RANK_TIMEOUT_S)
-                if ok:
-                    results[rank] = payload
-                else:
-                    errors.append(f"rank {rank}:\n{payload}")
-                    break
-        except Exception as exc:  # queue.Empty: a rank hung
-            errors.append(f"ranks did not finish within {RANK_TIMEOUT_S}s ({exc!r})")
+            _collect(procs, queue, results, errors)
         finally:
             for p in procs:
                 p.join(timeout=5 if not errors else 0.5)
