@@ -223,13 +223,3 @@ def batchnorm_worker(rank: int, world_size: int) -> list[float]:
 def test_batchnorm_stays_full_precision():
     run_ranks(batchnorm_worker, 1)
 
-
-def test_mixed_precision_options_are_validated():
-    with pytest.raises(ValueError, match="param_dtype"):
-        shardwrap.MixedPrecision(param_dtype=torch.int8)
-    with pytest.raises(ValueError, match="keep_low_precision_grads"):
-        shardwrap.MixedPrecision(keep_low_precision_grads=True)
-    with pytest.raises(TypeError, match="cast_forward_inputs"):
-        shardwrap.MixedPrecision(cast_forward_inputs=1)
-    with pytest.raises(TypeError, match="mixed_precision"):
-        shardwrap.MixedPrecision.parse("bf16")
