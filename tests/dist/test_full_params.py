@@ -73,6 +73,13 @@ def _check_summon(sharded, reference, world_size: int) -> None:
         assert sharded.module.tok.weight.shape == reference.tok.weight.shape
         shown = sum(p.numel() for p in sharded.module.blocks[0].parameters())
         assert (shown == block_numel) == (sharded.units[1].handle.num_shards == 1)
+    # Nested: the inner context leaves units the outer one summoned alone.
+    full_shape = reference.blocks[0].fc.weight.shape
+    with sharded.summon_full_params(sharded):
+        with sharded.summon_full_params(sharded.module.blocks[0]):
+            assert sharded.module.blocks[0].fc.weight.shape == full_shape
+        assert sharded.module.blocks[0].fc.weight.shape == full_shape
+    check_shards(sharded, reference, exact=True)
     # rank0_only: full on global rank 0 only.
     with sharded.summon_full_params(sharded, rank0_only=True, writeback=False):
         full = sharded.module.tok.weight.shape == reference.tok.weight.shape
@@ -183,4 +190,3 @@ def _bad_flag_messages() -> list[str]:
     except ValueError as exc:
         messages.append(str(exc))
     return messages
-
