@@ -85,3 +85,33 @@ def _bad_argument_errors() -> list[str]:
             errors.append(str(exc))
     return errors
 
+
+def _hybrid_clip(rank: int, world_size: int, strategy: str, norm_type: float) -> float:
+    model = build_model("gpt")
+    reference = copy.deepcopy(model)
+    sharded = wrap_case(model, Case(strategy=strategy, hybrid_shard_size=2))
+    optim, ref_optim = make_optimizer(sharded, "sgd"), make_optimizer(reference, "sgd")
+    batches = [batch_for("gpt", r) for r in range(world_size)]
+    loss_for("gpt", reference, concat(batches), 1).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM, norm_type)
+    loss_for("gpt", sharded, batches[rank], 1).backward()
+    norm = sharded.clip_grad_norm_(MAX_NORM, norm_type)
+    torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"{strategy} {norm_type}: {m}")
+    optim.step()
+    ref_optim.step()
+    check_shards(sharded, reference, exact=False)
+    return float(norm)
+
+
+def hybrid_clip_worker(rank: int, world_size: int) -> dict:
+    return {
+        (strategy, norm_type): _hybrid_clip(rank, world_size, strategy, norm_type)
+        for strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+        for norm_type in (2.0, math.inf)
+    }
+
+
+def test_clip_grad_norm_hybrid_counts_replicas_once():
+    """Two shard groups of two ranks: summing over replicas too would double the norm."""
+    results = run_ranks(hybrid_clip_worker, 4)
+    assert all(r == results[0] for r in results)
