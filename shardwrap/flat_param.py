@@ -13,7 +13,9 @@ life of the handle:
 
 ``flat_full``'s storage is released (resized to 0) when the unit reshards and re-allocated
 in place when it unshards, so the full views stay valid objects without holding memory.
-With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed.
+With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed,
+unless mixed precision asks for a low-precision ``flat_full`` (``separate_full``; see
+``[Note: mixed-precision data flow]`` in ``mixed_precision.py``).
 
 [Note: version counters]
 Writing gathered data into ``flat_full`` must not bump its autograd version counter:
@@ -109,8 +111,8 @@ class FlatParamHandle:
         self.flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
         # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
         self.flat_full = (
-            flat_init
-            if not self.separate_full
+            flat_init  # released by the reshard below when separate_full
+            if self.compute_dtype == dtype
             else torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
         )
         self.full_params = [self._make_full_view(i) for i in range(len(params))]

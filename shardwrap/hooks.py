@@ -90,6 +90,11 @@ class Unit:
     def pre_backward(self, grad: torch.Tensor) -> None:
         runtime = self._runtime()
         runtime.queue_finalize()
+        if self.state is TrainingState.IDLE:
+            # A further backward through a retained graph (``retain_graph=True``): this
+            # unit's step was finalised already, so enter it as a new one.
+            runtime.record_forward(self)
+            self.state = TrainingState.FORWARD
         if self.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
             if self.handle is not None:
                 self.handle.unshard()

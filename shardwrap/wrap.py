@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import collectives, forward_methods, full_params, grad_clip
+from . import batch_weight, collectives, forward_methods, full_params, grad_clip, optimizer_guard
 from . import mixed_precision as precision
 from . import state_dict as _state_dict
 from .collectives import CollectiveChecker, CommLedger, Communicator
+from .deferred_init import UnitMaterializer, has_meta
 from .groups import resolve_groups
 from .hooks import Unit
 from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -103,11 +104,10 @@ class ShardedModule(nn.Module):
             else None
         )
         absorbed = _absorb_nested(module)
-        _materialize(module, param_init_fn, device_id)
-        if device_id is not None:
-            module.to(torch.device(device_id) if isinstance(device_id, int) else device_id)
-        if sync_module_states:
-            _broadcast_from_rank0(module, world_comm, ignored)
+        deferred = has_meta(module)
+        device = torch.device("cpu") if device_id is None else torch.device(device_id)
+        if device_id is not None and not deferred:
+            module.to(device)
         excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
         absorbed_modules = {u.module for u in absorbed}
         unit_modules = select_units(module, policy, ignored | absorbed_modules)
@@ -115,21 +115,31 @@ class ShardedModule(nn.Module):
         unit_modules += [m for m in full_precision if m not in unit_modules]
         precision.cast_buffers(module, self.mixed_precision, keep=full_precision)
         records = collect_params(module, ignored, excluded)
-        _check_one_device(records)
+        if not deferred:
+            _check_one_device(records)
         owned = assign_params(module, unit_modules, records)
-        names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-        new_units = [
-            build_unit(
-                name=names[id(m)],
-                module=m,
-                records=owned[id(m)],
-                shard_comm=shard_comm,
-                replicate_comm=replicate_comm,
-                strategy=self.sharding_strategy,
-                mixed_precision=None if m in full_precision else self.mixed_precision,
-            )
-            for m in [module, *unit_modules]
-        ]
+        del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
+        materializer = UnitMaterializer(
+            module,
+            unit_modules,
+            ignored,
+            param_init_fn,
+            device,
+            sync_comm=world_comm if sync_module_states else None,
+        )
+        new_units = _build_units(
+            module,
+            unit_modules,
+            owned,
+            materializer=materializer if deferred or sync_module_states else None,
+            shard_comm=shard_comm,
+            replicate_comm=replicate_comm,
+            strategy=self.sharding_strategy,
+            mixed_precision=self.mixed_precision,
+            full_precision=full_precision,
+        )
+        if deferred or sync_module_states:
+            materializer.finish(module, ignored)
         self.module = module
         self._units: list[Unit] = new_units + list(absorbed)
         for unit in self._units:
@@ -157,6 +167,10 @@ class ShardedModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the full gradients' total norm to ``max_norm``; see :mod:`.grad_clip`."""
         return grad_clip.clip_grad_norm_(self, max_norm, norm_type)
+
+    def batch_weight(self, local_count: int) -> float:
+        """Loss factor for unequal per-rank batch sizes; see :mod:`.batch_weight`."""
+        return batch_weight.batch_weight(self, local_count)
 
     summon_full_params = staticmethod(full_params.summon_full_params)
     register_forward_method = staticmethod(forward_methods.register_forward_method)
@@ -320,6 +334,45 @@ def _check_bool(argument: str, value: object) -> bool:
     return value
 
 
+def _build_units(
+    root: nn.Module,
+    unit_modules: list[nn.Module],
+    owned: dict[int, list],
+    *,
+    materializer: UnitMaterializer | None,
+    shard_comm: Communicator,
+    replicate_comm: Communicator | None,
+    strategy: ShardingStrategy,
+    mixed_precision: MixedPrecision | None,
+    full_precision: list[nn.Module],
+) -> list[Unit]:
+    """One unit per module, root first; materialise each right before it is sharded.
+
+    ``owned`` is consumed, so each unit's full parameters die once its shard is built
+    ([Note: unit-by-unit materialisation] in ``deferred_init.py``).
+    """
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    units = []
+    for module in [root, *unit_modules]:
+        records = owned.pop(id(module))
+        if materializer is not None:
+            materializer.prepare(module, records, root)
+        optimizer_guard.retire([r.param for r in records])
+        units.append(
+            build_unit(
+                name=names[id(module)],
+                module=module,
+                records=records,
+                shard_comm=shard_comm,
+                replicate_comm=replicate_comm,
+                strategy=strategy,
+                mixed_precision=None if module in full_precision else mixed_precision,
+            )
+        )
+        del records
+    return units
+
+
 def _full_precision_units(
     module: nn.Module, policy: MixedPrecision | None, ignored: set[nn.Module]
 ) -> list[nn.Module]:
@@ -371,37 +424,6 @@ def _absorb_nested(module: nn.Module) -> list[Unit]:
                 adopted.extend(child._units)
                 parent._modules[child_name] = child.module
     return adopted
-
-
-def _materialize(
-    module: nn.Module, param_init_fn: Callable | None, device_id: int | torch.device | None
-) -> None:
-    """Give parameters built on the meta device real storage, then initialise them."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if not any(t.is_meta for t in tensors):
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise TypeError("param_init_fn: expected a callable taking the module")
-        return
-    device = torch.device("cpu") if device_id is None else torch.device(device_id)
-    if param_init_fn is not None:
-        if not callable(param_init_fn):
-            raise TypeError("param_init_fn: expected a callable taking the module")
-        param_init_fn(module)
-    else:
-        module.to_empty(device=device)
-        with torch.no_grad():
-            for sub in module.modules():
-                if callable(getattr(sub, "reset_parameters", None)):
-                    sub.reset_parameters()
-    still_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if still_meta:
-        raise ValueError(f"param_init_fn: left {still_meta[:5]} on the meta device")
-
-
-def _broadcast_from_rank0(module: nn.Module, comm: Communicator, ignored: set[nn.Module]) -> None:
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.data, src_rank=0, purpose="init").wait()
 
 
 def _check_one_device(records: list) -> None:

@@ -20,7 +20,7 @@ from tests.dist.parity import (
 )
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
-NUM_MICRO_BATCHES = 3
+NUM_MICRO_BATCHES = 2
 NUM_STEPS = 2
 GRAD_PURPOSES = ("grads", "grad_presence")
 

@@ -36,7 +36,7 @@ MODES = (
     "wrapper_after_wrap_reentrant",
     "wrapper_before_wrap",
 )
-NUM_STEPS = 3
+NUM_STEPS = 2
 
 
 class CheckpointedBlock(models.Block):

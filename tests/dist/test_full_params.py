@@ -73,6 +73,13 @@ def _check_summon(sharded, reference, world_size: int) -> None:
         assert sharded.module.tok.weight.shape == reference.tok.weight.shape
         shown = sum(p.numel() for p in sharded.module.blocks[0].parameters())
         assert (shown == block_numel) == (sharded.units[1].handle.num_shards == 1)
+    # Nested: the inner context leaves units the outer one summoned alone.
+    full_shape = reference.blocks[0].fc.weight.shape
+    with sharded.summon_full_params(sharded):
+        with sharded.summon_full_params(sharded.module.blocks[0]):
+            assert sharded.module.blocks[0].fc.weight.shape == full_shape
+        assert sharded.module.blocks[0].fc.weight.shape == full_shape
+    check_shards(sharded, reference, exact=True)
     # rank0_only: full on global rank 0 only.
     with sharded.summon_full_params(sharded, rank0_only=True, writeback=False):
         full = sharded.module.tok.weight.shape == reference.tok.weight.shape
@@ -150,6 +157,7 @@ def full_params_worker(rank: int, world_size: int) -> dict:
     if world_size > 1:  # without registration, generate sees 1-D shard pieces
         with pytest.raises(RuntimeError), torch.no_grad():
             sharded.generate(batch_for("gpt", 5)[0][:, :4], steps=1)
+    results["errors"] = _bad_flag_messages()
     return results
 
 
@@ -157,6 +165,10 @@ def full_params_worker(rank: int, world_size: int) -> dict:
 def test_full_params_generate_and_eval(world_size):
     results = run_ranks(full_params_worker, world_size)
     for per_rank in results:
+        messages = per_rank.pop("errors")
+        assert len(messages) == 3, messages
+        assert "rank0_only" in messages[0] and "recurse" in messages[1]
+        assert "no_such_method" in messages[2]
         for strategy, modes in per_rank.items():
             for mode, counts in modes.items():
                 units_with_params = 3  # root + two blocks
@@ -164,7 +176,7 @@ def test_full_params_generate_and_eval(world_size):
                     assert counts["gathers"] <= units_with_params, (strategy, mode, counts)
 
 
-def bad_flags_worker(rank: int, world_size: int) -> list[str]:
+def _bad_flag_messages() -> list[str]:
     sharded, _ = _fresh("FULL_SHARD")
     messages = []
     for kwargs in ({"writeback": True, "rank0_only": True}, {"recurse": "yes"}):
@@ -178,10 +190,3 @@ def bad_flags_worker(rank: int, world_size: int) -> list[str]:
     except ValueError as exc:
         messages.append(str(exc))
     return messages
-
-
-def test_bad_arguments_are_named():
-    (messages,) = run_ranks(bad_flags_worker, 1)
-    assert len(messages) == 3, messages
-    assert "rank0_only" in messages[0]
-    assert "no_such_method" in messages[2]

@@ -103,9 +103,3 @@ def test_fp16_scaler_matches_torch_and_skips_together(world_size):
             assert min(scales) < INIT_SCALE, "the run must exercise a skipped step"
             assert per_rank[strategy, "inf"] == (2.0**7, True), (strategy, per_rank)
 
-
-def test_scaler_arguments_are_validated():
-    with pytest.raises(ValueError, match="backoff_factor"):
-        shardwrap.ShardedGradScaler(backoff_factor=2.0)
-    with pytest.raises(TypeError, match="growth_interval"):
-        shardwrap.ShardedGradScaler(growth_interval=2.5)

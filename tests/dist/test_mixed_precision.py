@@ -98,6 +98,12 @@ def _bf16_run(rank: int, world_size: int, strategy: str) -> list[float]:
         torch.testing.assert_close(mean / world_size, ref_loss.detach().float(), **tol)
         check_shards(sharded, reference.master, exact=exact, tol=BF16_PARAM_TOL)
         diffs.append(_max_diff(sharded, reference.master))
+    ref = dict(reference.master.named_parameters())
+    with sharded.summon_full_params(sharded, writeback=False):  # shows the fp32 master values
+        for name, param in sharded.named_parameters():
+            assert param.dtype == torch.float32, name
+            tol = {"rtol": 0.0, "atol": 0.0} if exact else BF16_PARAM_TOL
+            torch.testing.assert_close(param, ref[name], **tol)
     return diffs
 
 
@@ -217,13 +223,3 @@ def batchnorm_worker(rank: int, world_size: int) -> list[float]:
 def test_batchnorm_stays_full_precision():
     run_ranks(batchnorm_worker, 1)
 
-
-def test_mixed_precision_options_are_validated():
-    with pytest.raises(ValueError, match="param_dtype"):
-        shardwrap.MixedPrecision(param_dtype=torch.int8)
-    with pytest.raises(ValueError, match="keep_low_precision_grads"):
-        shardwrap.MixedPrecision(keep_low_precision_grads=True)
-    with pytest.raises(TypeError, match="cast_forward_inputs"):
-        shardwrap.MixedPrecision(cast_forward_inputs=1)
-    with pytest.raises(TypeError, match="mixed_precision"):
-        shardwrap.MixedPrecision.parse("bf16")
