@@ -131,6 +131,7 @@ class DeepSpeedConfig:
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_allow_untested_optimizer: bool = False
+    dataloader_drop_last: bool = False
 
     @classmethod
     def load(cls, config: Mapping | str | os.PathLike) -> DeepSpeedConfig:
@@ -207,6 +208,7 @@ _TOP_KEYS = {
     "optimizer",
     "scheduler",
     "zero_allow_untested_optimizer",
+    "dataloader_drop_last",
 }
 
 
@@ -235,6 +237,7 @@ def parse_config(raw: Mapping) -> DeepSpeedConfig:
         optimizer=parse_optimizer(top.get("optimizer")) if top.has("optimizer") else None,
         scheduler=parse_scheduler(top.get("scheduler")) if top.has("scheduler") else None,
         zero_allow_untested_optimizer=top.boolean("zero_allow_untested_optimizer", False),
+        dataloader_drop_last=top.boolean("dataloader_drop_last", False),
     )
 
 

@@ -1,0 +1,223 @@
+"""``shardwrap.initialize``: DeepSpeed's front door onto the same ``ShardedModule`` machinery.
+
+``zero_optimization.stage`` 0/1/2/3 selects NO_SHARD / SHARD_OPTIM / SHARD_GRAD_OP /
+FULL_SHARD. ``engine.backward`` scales the loss by ``1 / gradient_accumulation_steps``
+and skips gradient communication (``no_sync``) until the accumulation boundary;
+``engine.step`` acts only at the boundary: clip, optimizer step, scheduler step, zero
+the gradients. Checkpoints go through :mod:`shardwrap.checkpoint` (see
+:mod:`shardwrap.engine_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from . import collectives, engine_checkpoint
+from .ds_config import DeepSpeedConfig, OffloadDevice
+from .engine_setup import attach_optimizer, build_scheduler, wrap_model
+from .grad_norm import clip_sharded_grad_norm_
+from .wrap import ShardedModule
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable | None = None,
+    model_parameters: Iterable | None = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    config: dict | str | os.PathLike | None = None,
+    *,
+    collate_fn: Callable | None = None,
+    auto_wrap_policy: Any = None,
+) -> tuple[ShardedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, scheduler)``.
+
+    ``config`` is a dict or a JSON path (or ``args.deepspeed_config``). ``optimizer`` may
+    be built before this call over ``model.parameters()``: its parameter groups are moved
+    onto the shard views (it must not have stepped yet). ``auto_wrap_policy`` (ours) picks
+    the units, as for ``ShardedModule``. Call ``torch.distributed.init_process_group``
+    first; the data-parallel size is the world size.
+    """
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+        if config is None:
+            raise ValueError("config: give config=dict or a JSON path (or args.deepspeed_config)")
+    if model is None or not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if not collectives.is_initialized():
+        raise RuntimeError(
+            "initialize: no process group is initialised; call "
+            "torch.distributed.init_process_group(...) first"
+        )
+    parsed = DeepSpeedConfig.load(config)
+    _check_precision(parsed)
+    batch = parsed.batch_sizes(collectives.world_size())
+    names = {id(p): name for name, p in model.named_parameters()}
+    sharded = wrap_model(model, parsed, auto_wrap_policy)
+    built_optimizer = attach_optimizer(sharded, parsed, optimizer, model_parameters, names)
+    scheduler = build_scheduler(parsed, built_optimizer, lr_scheduler)
+    engine = ShardedEngine(sharded, built_optimizer, scheduler, parsed, batch)
+    loader = None
+    if training_data is not None:
+        loader = _dataloader(
+            training_data, batch.train_micro_batch_size_per_gpu, parsed, collate_fn
+        )
+    return engine, built_optimizer, loader, scheduler
+
+
+def _check_precision(config: DeepSpeedConfig) -> None:
+    for name, block in (("bf16", config.bf16), ("fp16", config.fp16)):
+        if block.enabled:
+            raise ValueError(
+                f"{name}.enabled: mixed precision is not supported yet by shardwrap.initialize "
+                f"(the DeepSpeed front door is not wired to a mixed-precision core); "
+                f"set {name}.enabled to false"
+            )
+    offload = config.zero_optimization.offload_optimizer.device
+    if offload is OffloadDevice.NVME:
+        raise ValueError(
+            "zero_optimization.offload_optimizer.device: 'nvme' (disk offload) is not supported yet"
+        )
+    if config.zero_optimization.offload_param.device is OffloadDevice.NVME:
+        raise ValueError("zero_optimization.offload_param.device: 'nvme' is not supported")
+
+
+def _dataloader(
+    data: Dataset, micro_batch: int, config: DeepSpeedConfig, collate_fn: Callable | None
+) -> DataLoader:
+    sampler = DistributedSampler(
+        data, num_replicas=collectives.world_size(), rank=collectives.world_rank()
+    )
+    return DataLoader(
+        data,
+        batch_size=micro_batch,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=config.dataloader_drop_last,
+    )
+
+
+class ShardedEngine(nn.Module):
+    """What ``initialize`` returns: forward, ``backward``, ``step``, checkpoints.
+
+    ``engine.module`` is the :class:`ShardedModule`; ``engine.module.module`` the model.
+    """
+
+    def __init__(
+        self,
+        module: ShardedModule,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        config: DeepSpeedConfig,
+        batch: Any,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = config
+        self.batch_sizes = batch
+        self.micro_steps = 0  # backward/step pairs so far
+        self.global_steps = 0  # optimizer steps so far
+
+    # ---------------------------------------------------- DeepSpeed's accessors
+    def train_batch_size(self) -> int:
+        return self.batch_sizes.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch_sizes.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch_sizes.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    # -------------------------------------------------------------- training
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps``; communicate at the boundary."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError("backward: expected a scalar loss tensor")
+        scaled = loss / self.gradient_accumulation_steps()
+        boundary = self.is_gradient_accumulation_boundary()
+        with contextlib.nullcontext() if boundary else self.module.no_sync():
+            scaled.backward()
+        return loss
+
+    def step(self) -> None:
+        """At the accumulation boundary: clip, step, schedule, zero grads. Counts a micro-step."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        runtime = self.module._runtime
+        # ZeRO-1 reduces gradients in an optimizer pre-step hook; clipping needs them
+        # reduced first, so reduce here and keep the hook from reducing again.
+        runtime.reduce_deferred_grads()
+        if self.config.gradient_clipping > 0:
+            clip_sharded_grad_norm_(self.module, self.config.gradient_clipping)
+        with self.module.no_sync():
+            self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Drop every gradient of the model (also those of parameters the optimizer lacks)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.module.parameters():
+            param.grad = None
+
+    # ----------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Save under ``save_dir/tag`` (default tag ``global_step<N>``); returns the path."""
+        return engine_checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict | None]:
+        """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``).
+
+        Returns ``(path, client_state)``, or ``(None, None)`` when no tag is given and
+        ``load_dir`` has no ``latest`` file (DeepSpeed's contract: start fresh).
+        """
+        return engine_checkpoint.load(
+            self,
+            load_dir,
+            tag,
+            strict=load_module_strict,
+            load_optimizer=load_optimizer_states and not load_module_only,
+            load_scheduler=load_lr_scheduler_states and not load_module_only,
+            load_counters=not load_module_only,
+        )
