@@ -1,20 +1,36 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
 from .engine import ShardedEngine, initialize
+from .forward_methods import register_forward_method
+from .grad_scaler import ShardedGradScaler
 from .groups import hybrid_process_groups
-from .options import BackwardPrefetch, CPUOffload, ShardingStrategy
+from .options import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
 from .planner import estimate_memory
 from .wrap import FullyShardedDataParallel, ShardedModule
 
 __all__ = [
     "BackwardPrefetch",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "StateDictType",
     "CPUOffload",
     "FullyShardedDataParallel",
+    "MixedPrecision",
     "ShardedEngine",
+    "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
     "estimate_memory",
     "hybrid_process_groups",
     "initialize",
+    "register_forward_method",
 ]
 __version__ = "0.1.0"

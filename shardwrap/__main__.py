@@ -1,24 +1,100 @@
-"""``python -m shardwrap <command>``: command-line tools."""
+"""``python -m shardwrap`` (or the ``shardwrap`` script): offline checkpoint and planning tools.
+
+Subcommands live in ``_COMMANDS``; add one with a function that fills its parser and a
+function that runs it and returns the exit code.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-
-from . import cli_estimate
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m shardwrap")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    cli_estimate.add_parser(subparsers)
-    return parser
+from collections.abc import Sequence
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+def _consolidate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a shardwrap checkpoint folder")
+    parser.add_argument("out", help="output folder (Hugging Face safetensors layout)")
+    parser.add_argument("--dtype", default=None, help="cast floating tensors: bf16, fp16, fp32")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output file (5GB)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from .consolidate import consolidate, parse_dtype
+
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+
+    def progress(done: int, total: int, name: str) -> None:
+        width = 30
+        filled = width * done // total
+        end = "\n" if done == total else ""
+        bar = "#" * filled + "." * (width - filled)
+        print(f"\r[{bar}] {done}/{total} {name[:40]:<40}", end=end, file=sys.stderr, flush=True)
+
+    files = consolidate(
+        args.checkpoint,
+        args.out,
+        dtype=dtype,
+        max_shard_size=args.max_shard_size,
+        progress=None if args.quiet else progress,
+    )
+    print(f"wrote {', '.join(files)} to {args.out}")
+    return 0
+
+
+def _inspect_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a shardwrap checkpoint folder")
+    parser.add_argument("--no-verify", action="store_true", help="skip the file checksums")
+    parser.add_argument("--tensors", action="store_true", help="list every tensor")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .consolidate import describe
+
+    text, ok = describe(args.checkpoint, verify=not args.no_verify, list_tensors=args.tensors)
+    print(text)
+    return 0 if ok else 1
+
+
+def _estimate_args(parser: argparse.ArgumentParser) -> None:
+    from .cli_estimate import add_arguments
+
+    add_arguments(parser)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from .cli_estimate import run
+
+    return run(args)
+
+
+_COMMANDS = {
+    "consolidate": (
+        "write a checkpoint's model as Hugging Face safetensors",
+        _consolidate_args,
+        _consolidate,
+    ),
+    "inspect": ("summarise a checkpoint and verify its checksums", _inspect_args, _inspect),
+    "estimate": (
+        "per-rank memory for ZeRO stages 0-3, with formulas (and the stage that fits)",
+        _estimate_args,
+        _estimate,
+    ),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardwrap", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (summary, fill, _run) in _COMMANDS.items():
+        fill(commands.add_parser(name, help=summary, description=summary))
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command][2](args)
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"shardwrap {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -36,12 +36,19 @@ def parse_count(text: str) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register the ``estimate`` subcommand."""
+    """Register the ``estimate`` subcommand on an ``add_subparsers()`` object."""
     parser = subparsers.add_parser(
         "estimate",
         help="per-rank memory for ZeRO stages 0-3",
         description="Per-rank memory by category for ZeRO stages 0-3 (formulas printed).",
     )
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``estimate`` options."""
     parser.add_argument("--params", type=parse_count, required=True, help="parameters, e.g. 7e9")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     parser.add_argument(
@@ -56,8 +63,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="parameters of the largest wrapped unit (ZeRO-3 peak); default: the whole model",
     )
     parser.add_argument("--budget", type=parse_bytes, default=None, help="device memory per rank")
-    parser.set_defaults(run=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

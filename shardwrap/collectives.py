@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ class CommRecord:
     purpose: str  # e.g. "params", "grads", "grad_presence", "init"
     num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
     group_size: int
+    unit: str = ""  # the unit it serves ("" for the root unit or none)
 
     @property
     def wire_bytes(self) -> float:
@@ -86,30 +88,37 @@ class Communicator:
         self.ledger = ledger
         self.rank: int = dist.get_rank(group) if group is not None else 0
         self.size: int = dist.get_world_size(group) if group is not None else 1
+        self.checker: CollectiveChecker | None = None  # debug: verify ranks agree first
 
-    def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str):
+    def all_gather(
+        self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit: str = ""
+    ):
         """Concatenate every rank's ``in_shard`` into ``out_full``; returns a waitable."""
         if self.size == 1:
             out_full.copy_(in_shard)
             return _DoneWork()
-        self._record("all_gather", purpose, out_full)
+        self._record("all_gather", purpose, out_full, unit)
         return dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
 
-    def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str):
+    def reduce_scatter(
+        self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit: str = ""
+    ):
         """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``."""
         if self.size == 1:
             out_shard.copy_(in_full)
             return _DoneWork()
-        self._record("reduce_scatter", purpose, in_full)
+        self._record("reduce_scatter", purpose, in_full, unit)
         return dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
 
-    def all_reduce(self, tensor: torch.Tensor, *, purpose: str, op=dist.ReduceOp.SUM):
+    def all_reduce(
+        self, tensor: torch.Tensor, *, purpose: str, unit: str = "", op=dist.ReduceOp.SUM
+    ):
         """In-place reduction of ``tensor`` over ranks; returns a waitable."""
         if self.size == 1:
             return _DoneWork()
-        self._record("all_reduce", purpose, tensor)
+        self._record("all_reduce", purpose, tensor, unit)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
 
     def broadcast(self, tensor: torch.Tensor, *, src_rank: int, purpose: str):
@@ -128,8 +137,55 @@ class Communicator:
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
         return gathered
 
-    def _record(self, kind: str, purpose: str, tensor: torch.Tensor) -> None:
-        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size))
+    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> None:
+        if self.checker is not None:
+            self.checker.check(kind, purpose, unit, tensor, self.size)
+        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit))
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to issue different collectives (the run would have hung)."""
+
+
+class CollectiveChecker:
+    """Debug aid: before each collective, every rank confirms it is about to run the same one.
+
+    [Note: hangs become errors]
+    A rank that takes another branch issues a different collective (or one for another
+    unit) and the job hangs until the process-group timeout. With a checker, each rank
+    first shares a small signature (unit, kind, purpose, element count, dtype) over the
+    world group; any difference raises :class:`CollectiveMismatchError` on every rank,
+    naming the first rank that differs from rank 0 and the units involved. On gloo a
+    monitored barrier first names ranks that never reach the check at all. It costs one
+    small object all-gather per collective, so it is off unless asked for.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.num_checked = 0
+
+    def check(self, kind: str, purpose: str, unit: str, tensor: torch.Tensor, size: int) -> None:
+        mine = (unit, kind, purpose, tensor.numel(), str(tensor.dtype), size)
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        signatures: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(signatures, mine)
+        self.num_checked += 1
+        for rank, theirs in enumerate(signatures):
+            if theirs != signatures[0]:
+                raise CollectiveMismatchError(
+                    f"collective #{self.num_checked} diverged first at rank {rank}: rank 0 is "
+                    f"about to run {_describe(signatures[0])}, rank {rank} {_describe(theirs)} "
+                    f"(this rank, {dist.get_rank()}: {_describe(mine)}). A rank took another "
+                    "branch through the model; every rank must run the same units in order."
+                )
+
+
+def _describe(signature: object) -> str:
+    unit, kind, purpose, numel, dtype, _ = signature  # type: ignore[misc]
+    return f"{kind} of {purpose} for unit {unit or '<root>'!r} ({numel} x {dtype})"
 
 
 def is_initialized() -> bool:

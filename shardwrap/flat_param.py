@@ -32,6 +32,7 @@ from torch import nn
 
 from .collectives import Communicator
 from .layout import FlatLayout
+from .mixed_precision import HandlePrecision
 from .options import ShardingStrategy
 
 
@@ -69,6 +70,7 @@ class FlatParamHandle:
         shard_comm: Communicator,
         replicate_comm: Communicator | None,
         strategy: ShardingStrategy,
+        precision: HandlePrecision | None = None,
     ) -> None:
         _check_uniform(unit_name, layout, params)
         self.unit_name = unit_name
@@ -79,15 +81,24 @@ class FlatParamHandle:
         self.sites = sites
         self.state = ShardedState.UNSHARDED
         dtype, device = params[0].dtype, params[0].device
-        self.dtype = dtype
-        self.flat_full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # 1D, padded
+        self.dtype = dtype  # the shard's (master) dtype
+        self.precision = precision  # None: compute and reduce in the master dtype
+        self.compute_dtype = precision.param_dtype if precision else dtype
+        self.reduce_dtype = precision.reduce_dtype if precision else dtype
+        # Whether flat_full is its own buffer (several shards, or a low-precision copy).
+        self.separate_full = layout.num_shards > 1 or self.compute_dtype != dtype
+        flat_init = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # 1D, padded
         with torch.no_grad():
             for info, param in zip(layout.params, params, strict=True):
-                self.flat_full[info.offset : info.end].copy_(param.detach().reshape(-1))
+                flat_init[info.offset : info.end].copy_(param.detach().reshape(-1))
         start, end = layout.shard_range(shard_comm.rank)
-        # 1D, shard_numel elements; the same tensor as flat_full when there is one shard.
-        self.flat_shard = (
-            self.flat_full if self.num_shards == 1 else self.flat_full[start:end].clone()
+        # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
+        self.flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
+        # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
+        self.flat_full = (
+            flat_init
+            if not self.separate_full
+            else torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
         )
         self.full_params = [self._make_full_view(i) for i in range(len(params))]
         self.shard_params = [self._make_shard_view(i) for i in range(len(params))]
@@ -146,27 +157,31 @@ class FlatParamHandle:
         self.state = ShardedState.UNSHARDED
 
     def _gather(self) -> None:
-        if self.num_shards > 1:
+        if self.separate_full:
             storage = self.flat_full.untyped_storage()
             needed = self.flat_full.numel() * self.flat_full.element_size()
             if storage.size() != needed:
                 storage.resize_(needed)
+            # Cast before gathering, so the collective moves compute_dtype bytes.
+            shard = self.flat_shard.detach().to(self.compute_dtype)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                self.shard_comm.all_gather(self.flat_full, self.flat_shard, purpose="params").wait()
+                self.shard_comm.all_gather(
+                    self.flat_full, shard, purpose="params", unit=self.unit_name
+                ).wait()
         self._gathered_version = self.flat_shard._version
 
     def reshard(self, *, free: bool) -> None:
         """Show the shard views; release the gathered storage when ``free``."""
         self._show(self.shard_params)
         self.state = ShardedState.SHARDED
-        if free and self.num_shards > 1:
+        if free and self.separate_full:
             self.flat_full.untyped_storage().resize_(0)
             self._gathered_version = None
 
     @property
     def full_storage_bytes(self) -> int:
         """Bytes currently held by the gathered buffer (0 once released)."""
-        if self.num_shards == 1:
+        if not self.separate_full:
             return 0
         return self.flat_full.untyped_storage().size()
 
@@ -180,12 +195,14 @@ class FlatParamHandle:
         Parameters without a local gradient contribute zeros; whether they get a gradient
         at all is decided by the presence vote (:meth:`assign_grads`).
         """
-        flat_grad = self._flatten_local_grads()
-        reduced = torch.empty_like(self.flat_shard)
-        self.shard_comm.reduce_scatter(reduced, flat_grad, purpose="grads").wait()
+        flat_grad = self._flatten_local_grads().to(self.reduce_dtype)
+        reduced = torch.empty_like(self.flat_shard, dtype=self.reduce_dtype)
+        self.shard_comm.reduce_scatter(
+            reduced, flat_grad, purpose="grads", unit=self.unit_name
+        ).wait()
         if self.replicate_comm is not None:
-            self.replicate_comm.all_reduce(reduced, purpose="grads").wait()
-        reduced.div_(self.data_parallel_size)
+            self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.unit_name).wait()
+        reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
         if self.pending_grad_shard is None:
             self.pending_grad_shard = reduced
         else:

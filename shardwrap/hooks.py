@@ -50,6 +50,9 @@ class Unit:
         self.strategy = strategy
         self.state = TrainingState.IDLE
         self.runtime: StepRuntime | None = None  # set by the root that owns this unit
+        # Forwards of this unit in progress: a registered method (``generate``) that calls
+        # ``forward`` nests them; only the outermost one reshards.
+        self.forward_depth = 0
         self._hook_handles: list[Any] = []
 
     def __repr__(self) -> str:
@@ -59,6 +62,7 @@ class Unit:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         runtime = self._runtime()
         runtime.record_forward(self)
+        self.forward_depth += 1
         if self.handle is not None:
             self.handle.unshard()
         if self.state is TrainingState.IDLE:
@@ -69,7 +73,9 @@ class Unit:
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         training = torch.is_grad_enabled()
-        if self.handle is not None and self.state is not TrainingState.BACKWARD:
+        self.forward_depth = max(self.forward_depth - 1, 0)
+        nested = self.forward_depth > 0
+        if self.handle is not None and self.state is not TrainingState.BACKWARD and not nested:
             if not training or self.strategy.reshard_after_forward:
                 self.handle.reshard(free=self.strategy.free_after_backward)
             elif self.strategy.reduces_at_step:

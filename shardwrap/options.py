@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 
 class ShardingStrategy(enum.Enum):
@@ -89,3 +93,119 @@ class CPUOffload:
     def __post_init__(self) -> None:
         if not isinstance(self.offload_params, bool):
             raise TypeError(f"offload_params must be a bool, got {type(self.offload_params)}")
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True, slots=True)
+class MixedPrecision:
+    """Dtypes for computation, gradient reduction and buffers (``None``: leave as is).
+
+    The shard always keeps the parameters' own dtype (fp32 master weights) and the
+    optimizer updates it; see ``[Note: mixed-precision data flow]`` in
+    ``shardwrap/mixed_precision.py``.
+    """
+
+    param_dtype: torch.dtype | None = None  # gathered parameters, forward/backward compute
+    reduce_dtype: torch.dtype | None = None  # gradient collectives (default: param_dtype)
+    buffer_dtype: torch.dtype | None = None  # module buffers, cast once at wrap time
+    keep_low_precision_grads: bool = False  # not supported: raises ValueError when True
+    cast_forward_inputs: bool = False  # every unit casts its floating inputs to param_dtype
+    cast_root_forward_inputs: bool = True  # the root casts its floating inputs
+    # These modules compute in full precision (own unit, inputs cast up, outputs back).
+    module_classes_to_ignore: Sequence[type[nn.Module]] = (nn.modules.batchnorm._BatchNorm,)
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _FLOAT_DTYPES:
+                allowed = ", ".join(str(d) for d in _FLOAT_DTYPES)
+                raise ValueError(f"{name}: expected None or one of {allowed}, got {value!r}")
+        for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.keep_low_precision_grads:
+            raise ValueError(
+                "keep_low_precision_grads: True is not supported by shardwrap; gradients "
+                "are always handed to the optimizer in the master (parameter) dtype"
+            )
+        classes = self.module_classes_to_ignore
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise TypeError(
+                f"module_classes_to_ignore: expected nn.Module subclasses, got {classes!r}"
+            )
+
+    @classmethod
+    def parse(cls, value: object) -> MixedPrecision | None:
+        """Accept ``None``, our ``MixedPrecision`` or torch's FSDP ``MixedPrecision``."""
+        if value is None or isinstance(value, cls):
+            return value
+        fields = ("param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_grads")
+        if type(value).__name__ == "MixedPrecision" and all(hasattr(value, f) for f in fields):
+            return cls(
+                param_dtype=value.param_dtype,
+                reduce_dtype=value.reduce_dtype,
+                buffer_dtype=value.buffer_dtype,
+                keep_low_precision_grads=value.keep_low_precision_grads,
+                cast_forward_inputs=value.cast_forward_inputs,
+                cast_root_forward_inputs=value.cast_root_forward_inputs,
+                module_classes_to_ignore=tuple(value._module_classes_to_ignore),
+            )
+        raise TypeError(f"mixed_precision: expected MixedPrecision or None, got {value!r}")
+
+
+class StateDictType(enum.Enum):
+    """What ``ShardedModule.state_dict()`` returns (FSDP's names).
+
+    ``FULL_STATE_DICT`` (the default): whole tensors under the unwrapped model's names.
+    ``SHARDED_STATE_DICT``: this rank's pieces (1-D slices of the flattened originals, or
+    whole tensors where a unit is not sharded) under the same names; they load back only
+    into the same world size and strategy. Use ``shardwrap.checkpoint`` to reshard.
+    """
+
+    FULL_STATE_DICT = "FULL_STATE_DICT"
+    SHARDED_STATE_DICT = "SHARDED_STATE_DICT"
+
+    @classmethod
+    def parse(cls, value: object) -> StateDictType:
+        """Accept our member, torch's ``StateDictType`` member, or a name."""
+        if isinstance(value, cls):
+            return value
+        name = value.name if isinstance(value, enum.Enum) else value
+        if isinstance(name, str) and name.upper() in cls.__members__:
+            return cls[name.upper()]
+        allowed = ", ".join(cls.__members__)
+        raise ValueError(f"state_dict_type: unsupported value {value!r}; allowed: {allowed}")
+
+
+def _check_bools(record: object, *names: str) -> None:
+    for name in names:
+        value = getattr(record, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FullStateDictConfig:
+    """Options of ``FULL_STATE_DICT``.
+
+    ``offload_to_cpu``: return tensors in host memory. ``rank0_only``: only world rank 0
+    gets the state dict (the others take part in the gathers and get ``{}``).
+    """
+
+    offload_to_cpu: bool = False
+    rank0_only: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bools(self, "offload_to_cpu", "rank0_only")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedStateDictConfig:
+    """Options of ``SHARDED_STATE_DICT``: ``offload_to_cpu`` returns host-memory copies."""
+
+    offload_to_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bools(self, "offload_to_cpu")

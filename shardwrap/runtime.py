@@ -23,6 +23,17 @@ from torch.optim.optimizer import (
 from .collectives import Communicator
 from .hooks import TrainingState, Unit
 
+# Runtimes whose optimizer hooks are live, so that code holding only an optimizer (a grad
+# scaler) can make ZeRO-1 gradients reduced before reading them.
+_LIVE_RUNTIMES: weakref.WeakSet[StepRuntime] = weakref.WeakSet()
+
+
+def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
+    """Reduce pending ZeRO-1 gradients of every root that owns ``optimizer``'s parameters."""
+    for runtime in list(_LIVE_RUNTIMES):
+        if runtime.sync_grads and runtime._owns(optimizer):
+            runtime.reduce_deferred_grads()
+
 
 class StepRuntime:
     """State shared by all units of one root ``ShardedModule`` across a training step."""
@@ -33,11 +44,14 @@ class StepRuntime:
         self.sync_grads = True
         self.execution_order: list[Unit] = []  # units in first-forward order this step
         self._finalize_queued = False
+        # ZeRO-1: a backward left full local gradients that the next step must reduce.
+        self.deferred_grads_pending = False
         self._step_hooks: list = []
         for unit in units:
             unit.runtime = self
         if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
             self._install_optimizer_hooks()
+            _LIVE_RUNTIMES.add(self)
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
@@ -45,6 +59,7 @@ class StepRuntime:
         if not self._finalize_queued:
             self.execution_order.clear()
             for unit in self.units:
+                unit.forward_depth = 0  # a forward that raised never ran its post-forward
                 if unit.state is not TrainingState.IDLE:
                     self._abandon(unit)
 
@@ -68,6 +83,7 @@ class StepRuntime:
     def finalize_backward(self) -> None:
         """End of backward: reduce the units autograd did not reach, then vote on presence."""
         self._finalize_queued = False
+        self.deferred_grads_pending = True
         for unit in reversed(self.execution_order):
             if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
                 unit.post_backward()
@@ -108,7 +124,14 @@ class StepRuntime:
 
     # ----------------------------------------------------- ZeRO-1 step hooks
     def reduce_deferred_grads(self) -> None:
-        """ZeRO-1: reduce the full local gradients once, right before the optimizer steps."""
+        """ZeRO-1: reduce the full local gradients once, right before the optimizer steps.
+
+        A no-op when no backward ran since the last reduction (a second call, or a step
+        before any backward), so gradient clipping can flush early without double counting.
+        """
+        if not self.deferred_grads_pending:
+            return
+        self.deferred_grads_pending = False
         units = [u for u in self.units if u.strategy.reduces_at_step and u.handle is not None]
         for unit in units:
             unit.handle.reduce_grads()  # type: ignore[union-attr]
@@ -129,6 +152,7 @@ class StepRuntime:
         self._step_hooks.append(register_optimizer_step_pre_hook(before_step))
 
     def remove_hooks(self) -> None:
+        _LIVE_RUNTIMES.discard(self)
         for h in self._step_hooks:
             h.remove()
         self._step_hooks.clear()

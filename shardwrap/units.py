@@ -10,7 +10,8 @@ from .collectives import Communicator
 from .flat_param import FlatParamHandle, ParamSite
 from .hooks import Unit
 from .layout import FlatLayout
-from .options import ShardingStrategy
+from .mixed_precision import handle_precision
+from .options import MixedPrecision, ShardingStrategy
 
 
 @dataclass
@@ -80,6 +81,7 @@ def build_unit(
     shard_comm: Communicator,
     replicate_comm: Communicator | None,
     strategy: ShardingStrategy,
+    mixed_precision: MixedPrecision | None = None,
 ) -> Unit:
     """Flatten ``records`` into one handle (none if empty) and make the unit."""
     handle = None
@@ -96,5 +98,6 @@ def build_unit(
             shard_comm=shard_comm,
             replicate_comm=replicate_comm,
             strategy=strategy,
+            precision=handle_precision(mixed_precision, records[0].param.dtype),
         )
     return Unit(name=name, module=module, handle=handle, strategy=strategy)

@@ -10,11 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import collectives
-from .collectives import CommLedger, Communicator
+from . import collectives, forward_methods, full_params, grad_clip
+from . import mixed_precision as precision
+from . import state_dict as _state_dict
+from .collectives import CollectiveChecker, CommLedger, Communicator
 from .groups import resolve_groups
 from .hooks import Unit
-from .options import BackwardPrefetch, CPUOffload, ShardingStrategy
+from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -86,7 +88,8 @@ class ShardedModule(nn.Module):
         self.limit_all_gathers = _check_bool("limit_all_gathers", limit_all_gathers)
         self.use_orig_params = _check_bool("use_orig_params", use_orig_params)
         sync_module_states = _check_bool("sync_module_states", sync_module_states)
-        _check_unsupported(mixed_precision, cpu_offload, module)
+        self.mixed_precision = MixedPrecision.parse(mixed_precision)
+        _check_unsupported(cpu_offload, module)
         policy = as_policy(auto_wrap_policy)
         ignored = _ignored_modules(ignored_modules, ignored_states, module)
         groups = resolve_groups(self.sharding_strategy, process_group, device_mesh)
@@ -107,6 +110,9 @@ class ShardedModule(nn.Module):
         excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
         absorbed_modules = {u.module for u in absorbed}
         unit_modules = select_units(module, policy, ignored | absorbed_modules)
+        full_precision = _full_precision_units(module, self.mixed_precision, ignored)
+        unit_modules += [m for m in full_precision if m not in unit_modules]
+        precision.cast_buffers(module, self.mixed_precision, keep=full_precision)
         records = collect_params(module, ignored, excluded)
         _check_one_device(records)
         owned = assign_params(module, unit_modules, records)
@@ -119,6 +125,7 @@ class ShardedModule(nn.Module):
                 shard_comm=shard_comm,
                 replicate_comm=replicate_comm,
                 strategy=self.sharding_strategy,
+                mixed_precision=None if m in full_precision else self.mixed_precision,
             )
             for m in [module, *unit_modules]
         ]
@@ -128,6 +135,8 @@ class ShardedModule(nn.Module):
             _MANAGED[unit.module] = unit
         for unit in new_units:
             unit.register()
+        full_ids = {id(m) for m in full_precision}
+        precision.install_casts(new_units, module, self.mixed_precision, full_ids)
         self._runtime = StepRuntime(self._units, world_comm)
 
     # ------------------------------------------------------------------ forward
@@ -140,6 +149,40 @@ class ShardedModule(nn.Module):
         """Accumulate gradients locally (no gradient communication) inside this context."""
         with self._runtime.no_sync():
             yield
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the full gradients' total norm to ``max_norm``; see :mod:`.grad_clip`."""
+        return grad_clip.clip_grad_norm_(self, max_norm, norm_type)
+
+    summon_full_params = staticmethod(full_params.summon_full_params)
+    register_forward_method = staticmethod(forward_methods.register_forward_method)
+
+    # ------------------------------------------------------------------ debug
+    def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:
+        """Check before every collective that all ranks run the same one (see
+        :class:`shardwrap.collectives.CollectiveChecker`); a divergence raises on every rank
+        instead of hanging. Costs one small object all-gather per collective."""
+        checker = CollectiveChecker(timeout_s) if _check_bool("enabled", enabled) else None
+        for comm in self._communicators():
+            comm.checker = checker
+
+    @contextlib.contextmanager
+    def checking_collectives(self, *, timeout_s: float = 60.0) -> Iterator[None]:
+        """Context manager form of :meth:`set_collective_checks`."""
+        self.set_collective_checks(True, timeout_s=timeout_s)
+        try:
+            yield
+        finally:
+            self.set_collective_checks(False)
+
+    def _communicators(self) -> list[Communicator]:
+        comms = [self._runtime.world_comm]
+        for unit in self._units:
+            if unit.handle is not None:
+                comms.append(unit.handle.shard_comm)
+                if unit.handle.replicate_comm is not None:
+                    comms.append(unit.handle.replicate_comm)
+        return comms
 
     # ------------------------------------------------------------ introspection
     @property
@@ -167,12 +210,38 @@ class ShardedModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars=False):
-        return self.module.state_dict(
-            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
-        )
+        """Under ``FULL_STATE_DICT`` (default): whole tensors, the unwrapped model's keys."""
+        if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+        return _state_dict.module_state_dict(self, destination=destination, prefix=prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise ValueError("load_state_dict: assign=True is not supported by ShardedModule")
+        return _state_dict.load_module_state_dict(self, state_dict, strict=strict)
+
+    # FSDP's static state-dict API (see shardwrap/state_dict.py).
+    state_dict_type = staticmethod(_state_dict.state_dict_type)
+    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
+    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *args, **kwargs):
+        """The optimizer's state keyed by parameter name (FSDP's ``optim_state_dict``)."""
+        _no_extra_optim_args("optim_state_dict", args, kwargs)
+        return _state_dict.optim_state_dict(model, optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, *args, **kwargs
+    ):
+        """A name-keyed optimizer state dict made loadable by ``optim.load_state_dict``."""
+        load_directly = kwargs.pop("load_directly", False)
+        kwargs.pop("is_named_optimizer", None)
+        _no_extra_optim_args("optim_state_dict_to_load", args, kwargs)
+        return _state_dict.optim_state_dict_to_load(
+            model, optim, optim_state_dict, load_directly=load_directly
+        )
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -184,6 +253,14 @@ class ShardedModule(nn.Module):
 
 
 FullyShardedDataParallel = ShardedModule
+
+
+def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:
+    if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
+        raise ValueError(
+            f"{method}: extra arguments {args or ''}{sorted(kwargs) or ''} are not supported "
+            "(process groups come from the model)"
+        )
 
 
 # ---------------------------------------------------------------- construction helpers
@@ -214,9 +291,14 @@ def _check_bool(argument: str, value: object) -> bool:
     return value
 
 
-def _check_unsupported(mixed_precision: Any, cpu_offload: Any, module: nn.Module) -> None:
-    if mixed_precision is not None:
-        raise ValueError("mixed_precision: not supported by this version of shardwrap")
+def _full_precision_units(
+    module: nn.Module, policy: MixedPrecision | None, ignored: set[nn.Module]
+) -> list[nn.Module]:
+    ignored_ids = {id(m) for top in ignored for m in top.modules()}
+    return [m for m in precision.excluded_modules(module, policy) if id(m) not in ignored_ids]
+
+
+def _check_unsupported(cpu_offload: Any, module: nn.Module) -> None:
     if cpu_offload is not None:
         if not isinstance(cpu_offload, CPUOffload):
             raise TypeError(f"cpu_offload: expected CPUOffload, got {type(cpu_offload).__name__}")

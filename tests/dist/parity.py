@@ -71,8 +71,13 @@ def wrap_case(model: nn.Module, case: Case) -> shardwrap.ShardedModule:
     )
 
 
-def check_shards(sharded: shardwrap.ShardedModule, reference: nn.Module, exact: bool) -> None:
-    """Each rank's shard views equal their slices of the reference parameters."""
+def check_shards(
+    sharded: shardwrap.ShardedModule, reference: nn.Module, exact: bool, tol: dict | None = None
+) -> None:
+    """Each rank's shard views equal their slices of the reference parameters.
+
+    ``tol`` (``rtol``/``atol``) overrides the default tolerance when not ``exact``.
+    """
     ref = dict(reference.named_parameters())
     rank = None
     for unit in sharded.units:
@@ -85,9 +90,9 @@ def check_shards(sharded: shardwrap.ShardedModule, reference: nn.Module, exact: 
             expected = ref[info.fqn].detach().reshape(-1)[piece.param_start : piece.param_end]
             if handle.num_shards == 1:
                 expected = ref[info.fqn].detach().reshape(-1)
-            tol = {"rtol": 0.0, "atol": 0.0} if exact else {}
+            tols = {"rtol": 0.0, "atol": 0.0} if exact else (tol or {})
             torch.testing.assert_close(
-                shard.detach().reshape(-1), expected, msg=lambda m, f=info.fqn: f"{f}: {m}", **tol
+                shard.detach().reshape(-1), expected, msg=lambda m, f=info.fqn: f"{f}: {m}", **tols
             )
 
 

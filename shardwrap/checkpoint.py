@@ -1,0 +1,361 @@
+"""Sharded safetensors checkpoints that survive crashes and load on any number of ranks.
+
+``save_checkpoint`` runs on every rank: each rank writes the ranges it owns (see
+``param_slots``) of the parameters and of the optimizer state, then world rank 0 writes the
+index (format: ``ckpt_format``, [Note: checkpoint layout]). ``load_checkpoint`` runs on
+every rank of any world size and strategy: each rank computes the ranges it holds now and
+reads only the pieces that overlap them.
+
+Every rank reports success or its error to all others before anyone goes on, so a failure
+on one rank raises on all of them instead of leaving the rest waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from typing import Any
+
+import torch
+
+from .ckpt_format import (
+    INDEX_NAME,
+    CheckpointError,
+    CheckpointIndex,
+    FileEntry,
+    PieceRef,
+    TensorEntry,
+    check_coverage,
+    dtype_from_name,
+    dtype_name,
+    index_bytes,
+    read_index,
+    remove_stale_files,
+    shard_file_name,
+    write_atomic,
+)
+from .ckpt_reader import CheckpointReader
+from .optim_state import (
+    SCALAR,
+    SHARDED,
+    VALUE,
+    build_load_dict,
+    hyperparameters,
+    optimizer_slots,
+    state_kind,
+)
+from .param_slots import ModelSlots, ParamSlot, model_slots
+from .safetensors_stream import StreamItem, write_stream
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+
+
+# ------------------------------------------------------------------------------ save
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Any = None,
+) -> None:
+    """Save ``model`` (and ``optimizer``) to the folder ``path``; call on every rank.
+
+    ``extra`` is any JSON value (step, epoch, scheduler state, data position); it comes
+    back from :func:`load_checkpoint`. The checkpoint becomes visible only once complete.
+    """
+    root = os.fspath(path)
+    _check_json("extra", extra)
+    slots = model_slots(model)
+    comm = slots.world_comm
+    save_id = comm.all_gather_object(secrets.token_hex(8), purpose="checkpoint")[0]
+    report = _guarded(lambda: _write_rank_file(root, save_id, slots, optimizer))
+    reports = comm.all_gather_object(report, purpose="checkpoint")
+    _raise_failures("save", root, reports)
+    if comm.rank == 0:
+        report = _guarded(lambda: _commit_index(root, save_id, slots, optimizer, reports, extra))
+    else:
+        report = {"error": None}
+    _raise_failures("save", root, comm.all_gather_object(report, purpose="checkpoint"))
+
+
+def _check_json(argument: str, value: Any) -> None:
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{argument}: must be JSON-serialisable ({exc})") from exc
+
+
+def _guarded(action) -> dict[str, Any]:
+    """Run ``action``; return its result dict, or the error as text for the other ranks."""
+    try:
+        return {"error": None, **action()}
+    except Exception as exc:  # noqa: BLE001 - every rank must learn about every failure
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _raise_failures(what: str, root: str, reports: list[dict[str, Any]]) -> None:
+    failed = [(rank, r["error"]) for rank, r in enumerate(reports) if r["error"]]
+    if failed:
+        details = "; ".join(f"rank {rank}: {error}" for rank, error in failed)
+        raise CheckpointError(f"{what} of checkpoint {root} failed on {details}")
+
+
+def _write_rank_file(
+    root: str, save_id: str, slots: ModelSlots, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    items, records = _rank_items(slots, optimizer)
+    os.makedirs(root, exist_ok=True)
+    if not items:
+        return {"file": None, "records": records}
+    name = shard_file_name(save_id, slots.world_comm.rank)
+    written = write_stream(os.path.join(root, name), items, {"format": "pt", "save_id": save_id})
+    entry = FileEntry(written.size, written.sha256, written.tensor_sha256)
+    return {"file": name, "file_entry": entry.to_json(), "records": records}
+
+
+def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[dict]]:
+    """The 1-D pieces this rank saves (written lazily), and a record of each for the index."""
+    items: list[StreamItem] = []
+    records: list[dict[str, Any]] = []
+    is_rank0 = slots.world_comm.rank == 0
+
+    def add(kind: str, name: str, state: str | None, value: torch.Tensor, start: int) -> None:
+        key = f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}"
+        flat = value.detach().reshape(-1)
+        items.append(StreamItem(key, flat.dtype, (flat.numel(),), lambda flat=flat: flat))
+        records.append(
+            {
+                "kind": kind,
+                "name": name,
+                "state": state,
+                "key": key,
+                "start": start,
+                "end": start + flat.numel(),
+                "dtype": dtype_name(flat.dtype),
+            }
+        )
+
+    for slot in slots.slots:
+        if slot.saves and slot.end > slot.start:
+            add("param", slot.fqn, None, slot.local, slot.start)
+    if is_rank0:
+        for name, buffer in slots.buffers.items():
+            add("buffer", name, None, buffer, 0)
+    if optimizer is not None:
+        for slot in (s for group in optimizer_slots(optimizer, slots) for s in group):
+            for state, value in optimizer.state.get(slot.local, {}).items():
+                kind = state_kind(slot, state, value)
+                if kind == SHARDED and slot.saves and slot.end > slot.start:
+                    add("optim", slot.fqn, state, value, slot.start)
+                elif kind == SCALAR and is_rank0:
+                    add("optim", slot.fqn, state, value, 0)
+                elif kind == VALUE and is_rank0:
+                    records.append(
+                        {"kind": "value", "name": slot.fqn, "state": state, "value": value}
+                    )
+    return items, records
+
+
+def _commit_index(
+    root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra: Any
+) -> dict[str, Any]:
+    """World rank 0, once every rank's file is durable: write the index, drop old files."""
+    params = _param_entries(slots, reports)
+    buffers = {
+        name: _entry(tuple(b.shape), dtype_name(b.dtype), _pieces(reports, "buffer", name, None))
+        for name, b in slots.buffers.items()
+    }
+    optim_state = param_groups = None
+    if optimizer is not None:
+        optim_state, param_groups = _optimizer_entries(slots, optimizer, reports)
+    files = {
+        r["file"]: FileEntry.from_json(r["file"], r["file_entry"]) for r in reports if r["file"]
+    }
+    index = CheckpointIndex(
+        meta={
+            "save_id": save_id,
+            "world_size": slots.world_comm.size,
+            "strategy": _strategy_name(slots),
+        },
+        params=params,
+        aliases=dict(slots.aliases),
+        buffers=buffers,
+        optim_state=optim_state,
+        param_groups=param_groups,
+        files=files,
+        extra=extra,
+    )
+    write_atomic(root, INDEX_NAME, index_bytes(index))
+    remove_stale_files(root, keep=set(files))
+    return {}
+
+
+def _strategy_name(slots: ModelSlots) -> str | None:
+    handles = [s.handle for s in slots.slots if s.handle is not None]
+    return handles[0].strategy.name if handles else None
+
+
+def _pieces(reports: list[dict], kind: str, name: str, state: str | None) -> list[PieceRef]:
+    return [
+        PieceRef(report["file"], rec["key"], rec["start"], rec["end"])
+        for report in reports
+        for rec in report["records"]
+        if rec["kind"] == kind and rec["name"] == name and rec["state"] == state
+    ]
+
+
+def _entry(shape: tuple[int, ...], dtype: str, pieces: list[PieceRef]) -> TensorEntry:
+    entry = TensorEntry(shape, dtype, tuple(sorted(pieces, key=lambda p: p.start)))
+    check_coverage("/".join(p.key for p in pieces[:1]) or "?", entry)
+    return entry
+
+
+def _param_entries(slots: ModelSlots, reports: list[dict]) -> dict[str, TensorEntry]:
+    return {
+        s.fqn: _entry(s.shape, dtype_name(s.dtype), _pieces(reports, "param", s.fqn, None))
+        for s in slots.slots
+    }
+
+
+def _optimizer_entries(slots: ModelSlots, optimizer, reports: list[dict]):
+    state_entries: dict[str, dict[str, Any]] = {}
+    param_groups = []
+    for group_index, (group, group_slots) in enumerate(
+        zip(optimizer.param_groups, optimizer_slots(optimizer, slots), strict=True)
+    ):
+        param_groups.append(
+            {**hyperparameters(group, group_index), "params": [s.fqn for s in group_slots]}
+        )
+        for slot in group_slots:
+            for state, value in optimizer.state.get(slot.local, {}).items():
+                kind = state_kind(slot, state, value)
+                if kind == VALUE:
+                    entry: Any = {"value": value}
+                else:
+                    shape = slot.shape if kind == SHARDED else ()
+                    pieces = _pieces(reports, "optim", slot.fqn, state)
+                    entry = _entry(shape, dtype_name(value.dtype), pieces)
+                state_entries.setdefault(slot.fqn, {})[state] = entry
+    return state_entries, param_groups
+
+
+# ------------------------------------------------------------------------------ load
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> Any:
+    """Load a checkpoint saved at any world size and strategy; returns its ``extra``.
+
+    Call on every rank. With ``strict``, parameters or buffers present on only one side
+    are an error; without it they are skipped.
+    """
+    root = os.fspath(path)
+    slots = model_slots(model)
+    comm = slots.world_comm
+    result: dict[str, Any] = {}
+
+    def load() -> dict[str, Any]:
+        index = read_index(root)
+        with CheckpointReader(root, index) as reader:
+            _load_params(index, reader, slots, strict)
+            if optimizer is not None:
+                _load_optimizer(index, reader, slots, optimizer)
+        result["extra"] = index.extra
+        return {}
+
+    reports = comm.all_gather_object(_guarded(load), purpose="checkpoint")
+    _raise_failures("load", root, reports)
+    return result["extra"]
+
+
+def _load_params(
+    index: CheckpointIndex, reader: CheckpointReader, slots: ModelSlots, strict: bool
+) -> None:
+    matched = _match_names(index, slots, strict)
+    with torch.no_grad():
+        for slot, saved_name in matched:
+            entry = index.params[saved_name]
+            _check_entry(slot.fqn, entry, slot.shape, slot.dtype)
+            if slot.end > slot.start:
+                data = reader.read_range(saved_name, entry, slot.start, slot.end)
+                slot.local_flat().copy_(data)
+        for name, buffer in slots.buffers.items():
+            entry = index.buffers.get(name)
+            if entry is None:
+                continue  # reported by _match_names under strict
+            _check_entry(name, entry, tuple(buffer.shape), buffer.dtype)
+            buffer.copy_(reader.read_full(name, entry))
+
+
+def _match_names(index: CheckpointIndex, slots: ModelSlots, strict: bool):
+    """Pair each slot with its saved name; report missing/unexpected names."""
+    matched, missing = [], []
+    model_aliases: dict[str, list[str]] = {}
+    for alias, canonical in slots.aliases.items():
+        model_aliases.setdefault(canonical, []).append(alias)
+    for slot in slots.slots:
+        candidates = [index.resolve(n) for n in (slot.fqn, *model_aliases.get(slot.fqn, []))]
+        found = next((n for n in candidates if n in index.params), None)
+        if found is None:
+            missing.append(slot.fqn)
+        else:
+            matched.append((slot, found))
+    used = {name for _, name in matched}
+    unexpected = sorted(set(index.params) - used)
+    missing += [n for n in slots.buffers if n not in index.buffers]
+    unexpected += sorted(set(index.buffers) - set(slots.buffers))
+    if slots.slots and (not matched or (strict and 2 * len(matched) < len(slots.slots))):
+        raise CheckpointError(
+            f"the checkpoint holds another model: only {len(matched)} of this model's "
+            f"{len(slots.slots)} parameters are in it (checkpoint: e.g. "
+            f"{sorted(index.params)[:3]}; model: e.g. {[s.fqn for s in slots.slots[:3]]})"
+        )
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"the checkpoint does not fit the model: missing {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''} (pass strict=False to skip them)"
+        )
+    return matched
+
+
+def _check_entry(name: str, entry: TensorEntry, shape: tuple[int, ...], dtype) -> None:
+    saved_dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
+    if entry.shape != tuple(shape):
+        raise CheckpointError(
+            f"parameter {name!r}: checkpoint shape {entry.shape}, model shape {tuple(shape)}"
+        )
+    if saved_dtype != dtype:
+        raise CheckpointError(f"parameter {name!r}: checkpoint dtype {saved_dtype}, model {dtype}")
+
+
+def _load_optimizer(
+    index: CheckpointIndex,
+    reader: CheckpointReader,
+    slots: ModelSlots,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    if index.optim_state is None or index.param_groups is None:
+        raise CheckpointError("the checkpoint holds no optimizer state (saved without optimizer)")
+    saved_state = {index.resolve(k): v for k, v in index.optim_state.items()}
+    saved_groups = [
+        {**g, "params": [index.resolve(n) for n in g["params"]]} for g in index.param_groups
+    ]
+    names = {n: list(states) for n, states in saved_state.items()}
+
+    def read(slot: ParamSlot, state: str) -> Any:
+        entry = saved_state[slot.fqn][state]
+        if isinstance(entry, dict):
+            return entry["value"]
+        if entry.shape == ():
+            return reader.read_full(f"{slot.fqn}/{state}", entry)
+        _check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
+        flat = reader.read_range(f"{slot.fqn}/{state}", entry, slot.start, slot.end)
+        return flat.reshape(slot.local.shape)
+
+    groups_slots = optimizer_slots(optimizer, slots)
+    optimizer.load_state_dict(build_load_dict(optimizer, groups_slots, saved_groups, names, read))

@@ -1,0 +1,87 @@
+"""``ShardedModule.clip_grad_norm_`` equals ``torch.nn.utils.clip_grad_norm_`` on the reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from tests.dist.harness import run_ranks
+from tests.dist.parity import (
+    Case,
+    batch_for,
+    build_model,
+    check_shards,
+    concat,
+    loss_for,
+    make_optimizer,
+    wrap_case,
+)
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
+NORM_TYPES = (2.0, 1.0, math.inf)
+# Small enough that every step clips (the model's gradient norms are ~1-10).
+MAX_NORM = 0.3
+NUM_STEPS = 3  # step 0 and 2 leave `extra` without gradients; `pos` is frozen throughout
+
+
+def _clip_run(rank: int, world_size: int, strategy: str, norm_type: float) -> list[float]:
+    model = build_model("gpt")
+    reference = copy.deepcopy(model)
+    sharded = wrap_case(model, Case(strategy=strategy))
+    optim, ref_optim = make_optimizer(sharded, "sgd"), make_optimizer(reference, "sgd")
+    norms = []
+    for step in range(NUM_STEPS):
+        batches = [batch_for("gpt", 1000 * step + r) for r in range(world_size)]
+        loss_for("gpt", reference, concat(batches), step).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM, norm_type)
+        loss_for("gpt", sharded, batches[rank], step).backward()
+        sharded.comm_ledger.reset()
+        norm = sharded.clip_grad_norm_(MAX_NORM, norm_type)
+        torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"{strategy} {norm_type}: {m}")
+        assert ref_norm > MAX_NORM, "the test must actually clip"
+        optim.step()
+        if strategy == "SHARD_OPTIM" and world_size > 1:
+            # The step's pre-hook must not reduce the already-flushed gradients again.
+            assert sharded.comm_ledger.count("reduce_scatter", "grads") == len(
+                [u for u in sharded.units if u.handle is not None]
+            )
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        check_shards(sharded, reference, exact=False)
+        norms.append(float(norm))
+    return norms
+
+
+def clip_worker(rank: int, world_size: int) -> dict:
+    return {
+        (strategy, norm_type): _clip_run(rank, world_size, strategy, norm_type)
+        for strategy in STRATEGIES
+        for norm_type in NORM_TYPES
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_clip_grad_norm_matches_torch(world_size):
+    results = run_ranks(clip_worker, world_size)
+    assert all(r == results[0] for r in results), "ranks disagree on the norm"
+
+
+def bad_argument_worker(rank: int, world_size: int) -> list[str]:
+    sharded = wrap_case(build_model("gpt"), Case())
+    errors = []
+    for max_norm, norm_type in ((1.0, -2.0), (1.0, "fro"), ("big", 2.0)):
+        try:
+            sharded.clip_grad_norm_(max_norm, norm_type)
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_clip_grad_norm_rejects_bad_arguments():
+    (errors,) = run_ranks(bad_argument_worker, 1)
+    assert len(errors) == 3
+    assert "norm_type" in errors[0] and "norm_type" in errors[1] and "max_norm" in errors[2]

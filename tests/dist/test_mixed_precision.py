@@ -1,0 +1,229 @@
+"""Mixed precision against an unsharded reference that applies the same casts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwrap
+from shardwrap.policies import ModuleWrapPolicy
+from tests.dist.harness import run_ranks
+from tests.dist.parity import (
+    Case,
+    batch_for,
+    build_model,
+    check_shards,
+    concat,
+    loss_for,
+    make_optimizer,
+    wrap_case,
+)
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
+NUM_STEPS = 3
+BF16 = shardwrap.MixedPrecision(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
+)
+# With several ranks each computes its part of the batch in bf16 and the reference the whole
+# batch, so every gradient differs by a few bf16 roundings: up to ~0.02 for the largest
+# gradients here (about 4, where a bf16 ulp is 2**-6 = 0.0156). SGD (lr 0.05, momentum 0.9)
+# turns that into at most 0.02 * 0.05 * (1 + 1.9 + 2.71) = 5.6e-3 after three steps (measured:
+# 3.4e-3), plus bf16's relative resolution on the values. With one rank the casts are
+# identical and the comparison is exact.
+BF16_PARAM_TOL = {"rtol": 1.6e-2, "atol": 6e-3}
+BF16_LOSS_TOL = {"rtol": 1.6e-2, "atol": 1e-2}  # one bf16 rounding of a loss around 4
+
+
+class LowPrecisionReference:
+    """fp32 master parameters and a persistent low-precision copy that does the compute."""
+
+    def __init__(self, master: nn.Module, dtype: torch.dtype, policy) -> None:
+        self.master = master
+        self.low = copy.deepcopy(master).to(dtype)
+        self.dtype = dtype
+        for module in self.low.modules():
+            if isinstance(module, tuple(policy.module_classes_to_ignore)):
+                module.float()
+                module.register_forward_pre_hook(lambda m, a: tuple(x.float() for x in a))
+                module.register_forward_hook(lambda m, a, out, d=dtype: out.to(d))
+        if policy.buffer_dtype is None:  # buffers keep their dtype; .to() cast them
+            for (_, low_b), (_, b) in zip(self.low.named_buffers(), master.named_buffers()):
+                low_b.data = b.data.clone()
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            for low, master in zip(self.low.parameters(), self.master.parameters(), strict=True):
+                low.copy_(master)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        for low, master in zip(self.low.parameters(), self.master.parameters(), strict=True):
+            master.grad = None if low.grad is None else low.grad.float()
+            low.grad = None
+
+
+def _bf16_run(rank: int, world_size: int, strategy: str) -> list[float]:
+    master = build_model("gpt")
+    reference = LowPrecisionReference(copy.deepcopy(master), torch.bfloat16, BF16)
+    sharded = shardwrap.ShardedModule(
+        master,
+        sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy({type(master.blocks[0])}),
+        mixed_precision=BF16,
+    )
+    optim = make_optimizer(sharded, "sgd")
+    ref_optim = make_optimizer(reference.master, "sgd")
+    exact = world_size == 1
+    diffs = []
+    for step in range(NUM_STEPS):
+        batches = [batch_for("gpt", 1000 * step + r) for r in range(world_size)]
+        reference.refresh()
+        ref_loss = loss_for("gpt", reference.low, concat(batches), step)
+        reference.backward(ref_loss)
+        ref_optim.step()
+        ref_optim.zero_grad()
+        loss = loss_for("gpt", sharded, batches[rank], step)
+        assert loss.dtype == torch.bfloat16
+        loss.backward()
+        _check_master_fp32(sharded, optim)
+        optim.step()
+        optim.zero_grad()
+        mean = loss.detach().float()
+        torch.distributed.all_reduce(mean)
+        tol = {"rtol": 0.0, "atol": 0.0} if exact else BF16_LOSS_TOL
+        torch.testing.assert_close(mean / world_size, ref_loss.detach().float(), **tol)
+        check_shards(sharded, reference.master, exact=exact, tol=BF16_PARAM_TOL)
+        diffs.append(_max_diff(sharded, reference.master))
+    return diffs
+
+
+def _check_master_fp32(sharded, optim) -> None:
+    for unit in sharded.units:
+        if unit.handle is None:
+            continue
+        assert unit.handle.flat_shard.dtype == torch.float32
+        assert unit.handle.flat_full.dtype == torch.bfloat16
+        for p in unit.handle.shard_params:
+            assert p.dtype == torch.float32
+            assert p.grad is None or p.grad.dtype == torch.float32
+    for name, buffer in sharded.named_buffers():
+        assert buffer.dtype == torch.bfloat16, name
+
+
+def _max_diff(sharded, master) -> float:
+    ref = dict(master.named_parameters())
+    worst = 0.0
+    for unit in sharded.units:
+        handle = unit.handle
+        if handle is None:
+            continue
+        pieces = handle.layout.pieces(handle.shard_comm.rank)
+        for info, piece, shard in zip(handle.layout.params, pieces, handle.shard_params):
+            full = ref[info.fqn].detach().reshape(-1)
+            expected = full if handle.num_shards == 1 else full[piece.param_start : piece.param_end]
+            if expected.numel():
+                worst = max(worst, float((shard.detach().reshape(-1) - expected).abs().max()))
+    return worst
+
+
+def _step_bytes(world_size: int, rank: int, policy) -> dict:
+    sharded = wrap_case(build_model("gpt"), Case(strategy="FULL_SHARD"))
+    if policy is not None:
+        sharded = shardwrap.ShardedModule(
+            build_model("gpt"),
+            auto_wrap_policy=ModuleWrapPolicy({type(sharded.module.blocks[0])}),
+            mixed_precision=policy,
+        )
+    sharded.comm_ledger.reset()
+    loss_for("gpt", sharded, batch_for("gpt", rank), 0).backward()
+    ledger = sharded.comm_ledger
+    return {
+        "gather": ledger.bytes("all_gather", "params"),
+        "gathers": ledger.count("all_gather", "params"),
+        "reduce": ledger.bytes("reduce_scatter", "grads"),
+    }
+
+
+def bf16_worker(rank: int, world_size: int) -> dict:
+    result = {s: _bf16_run(rank, world_size, s) for s in STRATEGIES}
+    low_reduce = shardwrap.MixedPrecision(param_dtype=torch.bfloat16)
+    result["bytes"] = {
+        "fp32": _step_bytes(world_size, rank, None),
+        "bf16": _step_bytes(world_size, rank, low_reduce),
+    }
+    return result
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_bf16_matches_low_precision_reference(world_size):
+    results = run_ranks(bf16_worker, world_size)
+    sizes = results[0]["bytes"]
+    if world_size > 1:
+        fp32, bf16 = sizes["fp32"], sizes["bf16"]
+        assert bf16["gathers"] == fp32["gathers"] > 0
+        assert 2 * bf16["gather"] == fp32["gather"], sizes
+        assert 2 * bf16["reduce"] == fp32["reduce"], sizes  # reduce_dtype defaults to bf16
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.inp(x))))
+
+
+def batchnorm_worker(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(7)
+    master = BatchNormNet()
+    # BatchNorm's running statistics are per rank (as with DDP without SyncBatchNorm), so
+    # compare against a single rank only where it sees the same data: world size 1.
+    reference = LowPrecisionReference(copy.deepcopy(master), torch.bfloat16, BF16)
+    sharded = shardwrap.ShardedModule(
+        master, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), mixed_precision=BF16
+    )
+    norm_unit = next(u for u in sharded.units if u.module is master.norm)
+    assert norm_unit.handle.compute_dtype == torch.float32
+    assert master.norm.running_mean.dtype == torch.float32
+    optim = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.master.parameters(), lr=0.1)
+    losses = []
+    for step in range(NUM_STEPS):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        reference.refresh()
+        ref_loss = F.mse_loss(reference.low(x.bfloat16()), y.bfloat16())
+        reference.backward(ref_loss)
+        ref_optim.step()
+        ref_optim.zero_grad()
+        loss = F.mse_loss(sharded(x), y.bfloat16())
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=0.0, atol=0.0)
+        check_shards(sharded, reference.master, exact=True)
+        losses.append(float(loss))
+    torch.testing.assert_close(master.norm.running_var, reference.low.norm.running_var)
+    return losses
+
+
+def test_batchnorm_stays_full_precision():
+    run_ranks(batchnorm_worker, 1)
+
+
+def test_mixed_precision_options_are_validated():
+    with pytest.raises(ValueError, match="param_dtype"):
+        shardwrap.MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(ValueError, match="keep_low_precision_grads"):
+        shardwrap.MixedPrecision(keep_low_precision_grads=True)
+    with pytest.raises(TypeError, match="cast_forward_inputs"):
+        shardwrap.MixedPrecision(cast_forward_inputs=1)
+    with pytest.raises(TypeError, match="mixed_precision"):
+        shardwrap.MixedPrecision.parse("bf16")

@@ -1,0 +1,52 @@
+"""Two torchrun launches on this machine act as two nodes of 2 ranks (world 4, loopback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+TORCHRUN_TIMEOUT_S = 240  # four ranks importing torch on 2 loaded cores
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_hybrid_shard_matches_reference(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    port = _free_port()
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    common = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "sw",
+    ]  # fmt: skip
+    script = [str(repo / "tests" / "dist" / "torchrun_hybrid_worker.py"), str(out)]
+    nodes = [
+        subprocess.Popen(
+            [*common, "--node-rank", str(r), *script],
+            env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    logs = []
+    try:
+        for node in nodes:
+            logs.append(node.communicate(timeout=TORCHRUN_TIMEOUT_S)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    codes = [node.returncode for node in nodes]
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 4
+    for losses in result["losses"].values():
+        assert losses[-1] < losses[0]
