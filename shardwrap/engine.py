@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from . import collectives, engine_checkpoint
 from .ds_config import DeepSpeedConfig, OffloadDevice
 from .engine_setup import attach_optimizer, build_scheduler, wrap_model
-from .grad_norm import clip_sharded_grad_norm_
 from .wrap import ShardedModule
 
 
@@ -169,14 +168,10 @@ class ShardedEngine(nn.Module):
         self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
-        runtime = self.module._runtime
-        # ZeRO-1 reduces gradients in an optimizer pre-step hook; clipping needs them
-        # reduced first, so reduce here and keep the hook from reducing again.
-        runtime.reduce_deferred_grads()
         if self.config.gradient_clipping > 0:
-            clip_sharded_grad_norm_(self.module, self.config.gradient_clipping)
-        with self.module.no_sync():
-            self.optimizer.step()
+            # Also reduces ZeRO-1's deferred gradients first; the step then finds none.
+            self.module.clip_grad_norm_(self.config.gradient_clipping)
+        self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()

@@ -28,6 +28,55 @@ def ds_config(stage: int, accumulation: int, clipping: float) -> dict:
     }
 
 
+def micro_batches(step: int, world_size: int, accumulation: int) -> dict:
+    """``{(rank, micro_step): batch}`` for one optimizer step."""
+    return {
+        (r, m): models.gpt_batch(1000 * step + 10 * m + r, batch=MICRO_BATCH)
+        for r in range(world_size)
+        for m in range(accumulation)
+    }
+
+
+class Reference:
+    """The unsharded model, stepped once per engine step on the whole effective batch."""
+
+    def __init__(self, model: torch.nn.Module, clipping: float) -> None:
+        self.model = model
+        self.clipping = clipping
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=LR, weight_decay=0.1)
+        self.scheduler = WarmupLR(self.optimizer, **WARMUP)
+
+    def step(self, step: int, world_size: int, accumulation: int) -> float:
+        batches = micro_batches(step, world_size, accumulation)
+        order = [batches[(r, m)] for m in range(accumulation) for r in range(world_size)]
+        models.gpt_loss(self.model, concat(order), use_extra=step % 2 == 1).backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.clipping or float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return float(norm)
+
+
+def engine_step(engine, rank: int, step: int, world_size: int, accumulation: int) -> None:
+    batches = micro_batches(step, world_size, accumulation)
+    for m in range(accumulation):
+        assert engine.is_gradient_accumulation_boundary() == (m == accumulation - 1)
+        loss = models.gpt_loss(engine, batches[(rank, m)], use_extra=step % 2 == 1)
+        engine.backward(loss)
+        engine.step()
+    assert engine.global_steps == step + 1
+
+
+def make_engine(model, stage: int, accumulation: int, clipping: float, **precision):
+    engine, _, _, _ = shardwrap.initialize(
+        model=model,
+        config={**ds_config(stage, accumulation, clipping), **precision},
+        auto_wrap_policy=wrap_policy("gpt"),
+    )
+    return engine
+
+
 def train_engine_and_reference(
     rank: int,
     world_size: int,
@@ -43,36 +92,14 @@ def train_engine_and_reference(
     Returns the reference's gradient norms (before clipping), one per step.
     """
     model = build_model("gpt")
-    reference = copy.deepcopy(model)
-    engine, _, _, _ = shardwrap.initialize(
-        model=model,
-        config=ds_config(stage, accumulation, clipping),
-        auto_wrap_policy=wrap_policy("gpt"),
-    )
-    trainable = [p for p in reference.parameters() if p.requires_grad]
-    ref_optim = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.1)
-    ref_sched = WarmupLR(ref_optim, **WARMUP)
+    reference = Reference(copy.deepcopy(model), clipping)
+    engine = make_engine(model, stage, accumulation, clipping)
     norms = []
     for step in range(num_steps):
-        use_extra = step % 2 == 1
-        batches = {
-            (r, m): models.gpt_batch(1000 * step + 10 * m + r, batch=MICRO_BATCH)
-            for r in range(world_size)
-            for m in range(accumulation)
-        }
-        whole = concat([batches[(r, m)] for m in range(accumulation) for r in range(world_size)])
-        models.gpt_loss(reference, whole, use_extra=use_extra).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, clipping or float("inf"))))
-        ref_optim.step()
-        ref_sched.step()
-        ref_optim.zero_grad()
-        for m in range(accumulation):
-            assert engine.is_gradient_accumulation_boundary() == (m == accumulation - 1)
-            engine.backward(models.gpt_loss(engine, batches[(rank, m)], use_extra=use_extra))
-            engine.step()
-        assert engine.global_steps == step + 1
-        assert engine.get_lr() == ref_sched.get_last_lr()
-        check_shards(engine.module, reference, exact)
+        norms.append(reference.step(step, world_size, accumulation))
+        engine_step(engine, rank, step, world_size, accumulation)
+        assert engine.get_lr() == reference.scheduler.get_last_lr()
+        check_shards(engine.module, reference.model, exact)
     return norms
 
 
@@ -120,3 +147,32 @@ def all_cases(rank: int, world_size: int) -> dict:
     indices = dataloader_indices(rank, world_size)
     dist.barrier()
     return {"norms": norms, "indices": indices}
+
+
+RESUME_STAGE = {2: 3, 3: 2}  # save with ZeRO-3 on 2 ranks, resume with ZeRO-2 on 3 ranks
+
+
+def save_then_resume(rank: int, world_size: int, save_dir: str, saved_on: int) -> None:
+    """Save after steps 0-1 (on ``saved_on`` ranks); resume and run steps 2-3 here.
+
+    The reference replays steps 0-1 with ``saved_on`` ranks' batches, then 2-3 with ours.
+    """
+    model = build_model("gpt")
+    reference = Reference(copy.deepcopy(model), clipping=0.5)
+    engine = make_engine(model, RESUME_STAGE[world_size], 2, 0.5)
+    for step in range(2):
+        reference.step(step, saved_on, 2)
+        if world_size == saved_on:
+            engine_step(engine, rank, step, world_size, 2)
+    if world_size == saved_on:
+        engine.save_checkpoint(save_dir, client_state={"epoch": 7})
+        engine.save_checkpoint(save_dir, tag="spare", save_latest=False)
+        return
+    path, client_state = engine.load_checkpoint(save_dir)
+    assert path.endswith("global_step2") and client_state == {"epoch": 7}, (path, client_state)
+    assert engine.global_steps == 2 and engine.get_lr() == reference.scheduler.get_last_lr()
+    check_shards(engine.module, reference.model, exact=False)
+    for step in range(2, 4):
+        reference.step(step, world_size, 2)
+        engine_step(engine, rank, step, world_size, 2)
+        check_shards(engine.module, reference.model, exact=False)
