@@ -73,13 +73,12 @@ def initialize(
 
 
 def _check_precision(config: DeepSpeedConfig) -> None:
-    for name, block in (("bf16", config.bf16), ("fp16", config.fp16)):
-        if block.enabled:
-            raise ValueError(
-                f"{name}.enabled: mixed precision is not supported yet by shardwrap.initialize "
-                f"(the DeepSpeed front door is not wired to a mixed-precision core); "
-                f"set {name}.enabled to false"
-            )
+    if config.fp16.enabled:
+        raise ValueError(
+            "fp16.enabled: fp16 with DeepSpeed's loss scaling is not supported yet by "
+            "shardwrap.initialize; use bf16, or ShardedModule(mixed_precision=MixedPrecision("
+            "param_dtype=torch.float16)) with ShardedGradScaler"
+        )
     offload = config.zero_optimization.offload_optimizer.device
     if offload is OffloadDevice.NVME:
         raise ValueError(

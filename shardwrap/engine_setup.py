@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .ds_config import DeepSpeedConfig, OffloadDevice
-from .options import CPUOffload
+from .options import CPUOffload, MixedPrecision
 from .planner import STAGE_STRATEGIES
 from .wrap import ShardedModule
 
@@ -54,6 +54,8 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
     if zero.offload_param.device is OffloadDevice.CPU:
         cpu_offload = CPUOffload(offload_params=True)  # the core rejects accelerator models
     if isinstance(model, ShardedModule):
+        if config.bf16.enabled and model.mixed_precision != mixed_precision_of(config):
+            raise ValueError("model: a ShardedModule given with bf16.enabled must use bf16")
         if model.sharding_strategy is not strategy:
             raise ValueError(
                 f"model: already a ShardedModule with {model.sharding_strategy.name}, but "
@@ -65,7 +67,19 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
         sharding_strategy=strategy,
         auto_wrap_policy=auto_wrap_policy,
         cpu_offload=cpu_offload,
+        mixed_precision=mixed_precision_of(config),
     )
+
+
+def mixed_precision_of(config: DeepSpeedConfig) -> MixedPrecision | None:
+    """``bf16.enabled``: compute and reduce in bfloat16; fp32 master shards and state.
+
+    DeepSpeed's bf16 also keeps fp32 master weights and optimizer state; buffers keep
+    their dtype here (DeepSpeed casts the whole module).
+    """
+    if not config.bf16.enabled:
+        return None
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 
 
 def attach_optimizer(

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import shardwrap
 from shardwrap.lr_schedules import WarmupLR
 from tests import models
+from shardwrap.planner import STAGE_STRATEGIES
 from tests.dist.parity import build_model, check_shards, concat, wrap_policy
 
 LR = 0.01
@@ -144,6 +145,7 @@ def all_cases(rank: int, world_size: int) -> dict:
         for stage in (0, 1, 2, 3)
     }
     train_with_client_optimizer(rank, world_size)
+    bf16_engine_equals_sharded_module(rank, world_size, stage=3)
     indices = dataloader_indices(rank, world_size)
     dist.barrier()
     return {"norms": norms, "indices": indices}
@@ -176,3 +178,31 @@ def save_then_resume(rank: int, world_size: int, save_dir: str, saved_on: int) -
         reference.step(step, world_size, 2)
         engine_step(engine, rank, step, world_size, 2)
         check_shards(engine.module, reference.model, exact=False)
+
+
+def bf16_engine_equals_sharded_module(rank: int, world_size: int, stage: int) -> None:
+    """``bf16: {enabled: true}`` trains exactly like ShardedModule with bf16 MixedPrecision."""
+    model = build_model("gpt")
+    twin = shardwrap.ShardedModule(
+        copy.deepcopy(model),
+        sharding_strategy=STAGE_STRATEGIES[stage],
+        auto_wrap_policy=wrap_policy("gpt"),
+        mixed_precision=shardwrap.MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+        ),
+    )
+    engine = make_engine(model, stage, 1, 0.0, bf16={"enabled": True})
+    twin_optim = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=0.1)
+    twin_sched = WarmupLR(twin_optim, **WARMUP)
+    for step in range(3):
+        batch = micro_batches(step, world_size, 1)[(rank, 0)]
+        models.gpt_loss(twin, batch, use_extra=step % 2 == 1).backward()
+        twin_optim.step()
+        twin_sched.step()
+        twin_optim.zero_grad()
+        engine_step(engine, rank, step, world_size, 1)
+        for (name, mine), (_, theirs) in zip(
+            engine.module.named_parameters(), twin.named_parameters(), strict=True
+        ):
+            assert mine.dtype == torch.float32, name  # fp32 master shards
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
