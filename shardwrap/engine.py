@@ -16,12 +16,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import collectives, engine_checkpoint
+from .collectives import Communicator
 from .ds_config import DeepSpeedConfig, OffloadDevice
 from .engine_setup import attach_optimizer, build_scheduler, wrap_model
+from .loss_scaler import LossScaler
+from .runtime import reduce_deferred_grads_for
 from .wrap import ShardedModule
 
 
@@ -73,12 +77,6 @@ def initialize(
 
 
 def _check_precision(config: DeepSpeedConfig) -> None:
-    if config.fp16.enabled:
-        raise ValueError(
-            "fp16.enabled: fp16 with DeepSpeed's loss scaling is not supported yet by "
-            "shardwrap.initialize; use bf16, or ShardedModule(mixed_precision=MixedPrecision("
-            "param_dtype=torch.float16)) with ShardedGradScaler"
-        )
     offload = config.zero_optimization.offload_optimizer.device
     if offload is OffloadDevice.NVME:
         raise ValueError(
@@ -124,7 +122,10 @@ class ShardedEngine(nn.Module):
         self.config = config
         self.batch_sizes = batch
         self.micro_steps = 0  # backward/step pairs so far
-        self.global_steps = 0  # optimizer steps so far
+        self.global_steps = 0  # optimizer steps so far (skipped fp16 overflow steps too)
+        self.skipped_steps = 0  # fp16 steps skipped for an inf/NaN gradient
+        self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        self._world_comm = Communicator(collectives.default_group(), module.comm_ledger)
 
     # ---------------------------------------------------- DeepSpeed's accessors
     def train_batch_size(self) -> int:
@@ -154,6 +155,8 @@ class ShardedEngine(nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("backward: expected a scalar loss tensor")
         scaled = loss / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled * torch.tensor(self.loss_scaler.scale, dtype=torch.float32)
         boundary = self.is_gradient_accumulation_boundary()
         with contextlib.nullcontext() if boundary else self.module.no_sync():
             scaled.backward()
@@ -167,13 +170,36 @@ class ShardedEngine(nn.Module):
         self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
+        if self.loss_scaler is not None and not self._unscale_gradients():
+            self.skipped_steps += 1
+            self.loss_scaler.update(overflow=True)
+            self.zero_grad()
+            return
         if self.config.gradient_clipping > 0:
             # Also reduces ZeRO-1's deferred gradients first; the step then finds none.
             self.module.clip_grad_norm_(self.config.gradient_clipping)
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
         self.zero_grad()
+
+    def _unscale_gradients(self) -> bool:
+        """fp16: divide the gradients by the loss scale; False if any rank saw inf/NaN."""
+        reduce_deferred_grads_for(self.optimizer)  # ZeRO-1 gradients are still local
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if self.loss_scaler.dynamic:  # type: ignore[union-attr]
+            local = any(not bool(torch.isfinite(g).all()) for g in grads)
+            flag = torch.tensor([float(local)])
+            self._world_comm.all_reduce(flag, purpose="found_inf", op=dist.ReduceOp.MAX).wait()
+            if flag.item() > 0:
+                return False
+        inverse = 1.0 / self.loss_scaler.scale  # type: ignore[union-attr]
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(inverse)
+        return True
 
     def zero_grad(self) -> None:
         """Drop every gradient of the model (also those of parameters the optimizer lacks)."""

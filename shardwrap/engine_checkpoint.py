@@ -54,9 +54,14 @@ def save(
     path = os.path.join(os.fspath(save_dir), tag)
     scheduler = engine.lr_scheduler
     extra = {
-        "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps},
+        "engine": {
+            "global_steps": engine.global_steps,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+        },
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         "client_state": client_state,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
     }
     checkpoint.save_checkpoint(path, engine.module, engine.optimizer, extra=extra)
     if save_latest and collectives.world_rank() == 0:
@@ -102,6 +107,9 @@ def load(
     if load_counters and "engine" in extra:
         engine.global_steps = int(extra["engine"]["global_steps"])
         engine.micro_steps = int(extra["engine"]["micro_steps"])
+        engine.skipped_steps = int(extra["engine"].get("skipped_steps", 0))
+    if load_counters and engine.loss_scaler is not None and extra.get("loss_scaler"):
+        engine.loss_scaler.load_state_dict(extra["loss_scaler"])
     if load_scheduler and engine.lr_scheduler is not None:
         state = extra.get("lr_scheduler")
         if state is None:

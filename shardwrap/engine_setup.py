@@ -54,8 +54,11 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
     if zero.offload_param.device is OffloadDevice.CPU:
         cpu_offload = CPUOffload(offload_params=True)  # the core rejects accelerator models
     if isinstance(model, ShardedModule):
-        if config.bf16.enabled and model.mixed_precision != mixed_precision_of(config):
-            raise ValueError("model: a ShardedModule given with bf16.enabled must use bf16")
+        if model.mixed_precision != mixed_precision_of(config):
+            raise ValueError(
+                f"model: a ShardedModule with mixed_precision={model.mixed_precision} does not "
+                f"match the config's bf16/fp16 blocks ({mixed_precision_of(config)})"
+            )
         if model.sharding_strategy is not strategy:
             raise ValueError(
                 f"model: already a ShardedModule with {model.sharding_strategy.name}, but "
@@ -72,14 +75,16 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
 
 
 def mixed_precision_of(config: DeepSpeedConfig) -> MixedPrecision | None:
-    """``bf16.enabled``: compute and reduce in bfloat16; fp32 master shards and state.
+    """bf16/fp16: compute and reduce in 16 bits; fp32 master shards and optimizer state.
 
-    DeepSpeed's bf16 also keeps fp32 master weights and optimizer state; buffers keep
-    their dtype here (DeepSpeed casts the whole module).
+    As DeepSpeed's, except that buffers keep their dtype (DeepSpeed casts the whole
+    module) and floating inputs are always cast (DeepSpeed's ``auto_cast``).
     """
-    if not config.bf16.enabled:
-        return None
-    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    if config.bf16.enabled:
+        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    if config.fp16.enabled:
+        return MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    return None
 
 
 def attach_optimizer(

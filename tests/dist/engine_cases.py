@@ -11,6 +11,7 @@ import shardwrap
 from shardwrap.lr_schedules import WarmupLR
 from tests import models
 from shardwrap.planner import STAGE_STRATEGIES
+from shardwrap.runtime import reduce_deferred_grads_for
 from tests.dist.parity import build_model, check_shards, concat, wrap_policy
 
 LR = 0.01
@@ -146,6 +147,7 @@ def all_cases(rank: int, world_size: int) -> dict:
     }
     train_with_client_optimizer(rank, world_size)
     bf16_engine_equals_sharded_module(rank, world_size, stage=3)
+    fp16_engine_equals_manual_scaling(rank, world_size, stage=1)
     indices = dataloader_indices(rank, world_size)
     dist.barrier()
     return {"norms": norms, "indices": indices}
@@ -206,3 +208,46 @@ def bf16_engine_equals_sharded_module(rank: int, world_size: int, stage: int) ->
         ):
             assert mine.dtype == torch.float32, name  # fp32 master shards
             torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+
+
+def fp16_engine_equals_manual_scaling(rank: int, world_size: int, stage: int) -> None:
+    """fp16 trains like ShardedModule(fp16) with the loss scaled by hand; an inf skips a step."""
+    model = build_model("gpt")
+    twin = shardwrap.ShardedModule(
+        copy.deepcopy(model),
+        sharding_strategy=STAGE_STRATEGIES[stage],
+        auto_wrap_policy=wrap_policy("gpt"),
+        mixed_precision=shardwrap.MixedPrecision(
+            param_dtype=torch.float16, reduce_dtype=torch.float16
+        ),
+    )
+    fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
+    engine = make_engine(model, stage, 1, 0.0, fp16=fp16)
+    twin_optim = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=0.1)
+    twin_sched = WarmupLR(twin_optim, **WARMUP)
+    scale = torch.tensor(2.0**8, dtype=torch.float32)
+    for step in range(2):
+        batch = micro_batches(step, world_size, 1)[(rank, 0)]
+        (models.gpt_loss(twin, batch, use_extra=step % 2 == 1) * scale).backward()
+        reduce_deferred_grads_for(twin_optim)  # ZeRO-1 keeps gradients local until here
+        for param in twin.parameters():
+            if param.grad is not None:
+                param.grad.mul_(1.0 / scale.item())
+        twin_optim.step()
+        twin_sched.step()
+        twin_optim.zero_grad()
+        engine_step(engine, rank, step, world_size, 1)
+        for (name, mine), (_, theirs) in zip(
+            engine.module.named_parameters(), twin.named_parameters(), strict=True
+        ):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    lr_before = engine.get_lr()
+    loss = models.gpt_loss(engine, micro_batches(2, world_size, 1)[(rank, 0)])
+    engine.backward(loss * (float("inf") if rank == world_size - 1 else 1.0))
+    engine.step()  # one rank overflowed: every rank skips
+    assert (engine.global_steps, engine.skipped_steps) == (3, 1)
+    assert engine.get_lr() == lr_before and engine.loss_scaler.scale == 2.0**8  # hysteresis 2
+    for old, new in zip(before, engine.module.parameters(), strict=True):
+        assert torch.equal(old, new.detach())
+        assert new.grad is None

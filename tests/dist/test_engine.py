@@ -36,5 +36,10 @@ def test_bf16_engine_on_one_rank(one_rank, stage: int) -> None:
     engine_cases.bf16_engine_equals_sharded_module(0, 1, stage)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_engine_on_one_rank(one_rank, stage: int) -> None:
+    engine_cases.fp16_engine_equals_manual_scaling(0, 1, stage)
+
+
 def test_client_optimizer_on_one_rank(one_rank) -> None:
     engine_cases.train_with_client_optimizer(0, 1)
