@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=parse_count, required=True, help="parameters, e.g. 7e9")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     parser.add_argument(
-        "--bf16", action="store_true", help="parameters, grads and optimizer state in bfloat16"
+        "--bf16",
+        action="store_true",
+        help="bf16 mixed precision: fp32 master shards and optimizer state, bf16 compute",
     )
     parser.add_argument("--offload", choices=["cpu", "disk"], default=None)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     estimates = estimate_memory(
         args.params,
         world_size=args.world_size,
-        param_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        compute_dtype=torch.bfloat16 if args.bf16 else None,
         optimizer=args.optimizer,
         offload=args.offload,
         largest_unit_params=args.largest_unit_params,

@@ -1,27 +1,29 @@
 """Per-rank memory of a training run, by category, with the formula behind every number.
 
 [Note: what the planner counts]
-The tensors shardwrap itself holds on each rank, with ``b`` bytes per element of
-``param_dtype``, ``N`` ranks in the shard group, ``P`` parameter elements (padded to a
-multiple of ``N`` per unit), ``T`` trainable elements and ``k`` optimizer-state tensors
-per trainable element (AdamW/Adam: 2, SGD with momentum: 1)::
+The tensors shardwrap itself holds on each rank, with ``b`` bytes per element of the
+stored (master) parameters, ``c`` bytes per element of the compute dtype (``c = b``
+without mixed precision), ``N`` ranks in the shard group, ``P`` parameter elements
+(padded to a multiple of ``N`` per unit), ``T`` trainable elements and ``k``
+optimizer-state tensors per trainable element (AdamW/Adam: 2, SGD with momentum: 1)::
 
     stage  strategy        parameters  gathered parameters (peak)   gradients  optimizer
-    0      NO_SHARD        P b         0                            T b        k T b
-    1      SHARD_OPTIM     P b / N     P b (kept between steps)     T b        k T b / N
-    2      SHARD_GRAD_OP   P b / N     P b (all units, fwd to bwd)  T b / N    k T b / N
-    3      FULL_SHARD      P b / N     largest chain of nested units T b / N   k T b / N
+    0      NO_SHARD        P b         0 (P c kept if c != b)       T b        k T b
+    1      SHARD_OPTIM     P b / N     P c (kept between steps)     T c        k T b / N
+    2      SHARD_GRAD_OP   P b / N     P c (all units, fwd to bwd)  T b / N    k T b / N
+    3      FULL_SHARD      P b / N     chain c                      T b / N    k T b / N
 
-plus the model's buffers (never sharded). With one shard nothing is gathered: the full
-buffer *is* the shard. ZeRO-1 keeps full local gradients from backward until the optimizer
-step reduces them. "largest chain of nested units": a unit stays gathered while the units
-inside it run (the root unit all through forward and backward), so the ZeRO-3 peak is the
-largest sum of gathered sizes along one path of nested units.
+plus the model's buffers (never sharded). With one shard and no cast nothing is
+gathered: the full buffer *is* the shard. ZeRO-1 keeps full local gradients (in the
+compute dtype) from backward until the optimizer step reduces them. "chain": a unit
+stays gathered while the units inside it run (the root unit all through forward and
+backward), so the ZeRO-3 peak is the largest sum of gathered sizes along one path of
+nested units.
 
 Not counted: activations, the transient full gradient of the unit being reduced (about
-two copies of that unit) and allocator slack. Mixed precision is not modelled yet (the
-core has none): ``param_dtype`` is the dtype parameters, gradients and optimizer state
-are stored in, as torch's optimizers keep their state in the parameter's dtype.
+two copies of that unit) and allocator slack. Gradients handed to the optimizer and the
+optimizer state are in the master dtype, as torch's optimizers keep their state in the
+parameter's dtype.
 
 Offload moves categories off the device: ``"cpu"`` puts parameter shards, optimizer
 state and (ZeRO-2/3) gradient shards in host memory; ``"disk"`` puts parameter shards
@@ -109,6 +111,7 @@ def estimate_memory(
     strategy: Any = None,
     stage: int | None = None,
     param_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
     offload: str | None = None,
     auto_wrap_policy: Any = None,
@@ -117,6 +120,9 @@ def estimate_memory(
 ) -> MemoryEstimate | tuple[MemoryEstimate, ...]:
     """Bytes each rank holds, by category; see the module's note for every formula.
 
+    ``param_dtype`` is the dtype parameters are stored (and the optimizer steps) in;
+    ``compute_dtype`` is ``MixedPrecision.param_dtype`` (gathered parameters and local
+    gradients), ``None`` for no mixed precision.
     ``model_or_num_params``: a module (its parameters are laid out exactly as
     ``ShardedModule`` would with ``auto_wrap_policy``; meta-device modules work) or a
     parameter count (one unit unless ``largest_unit_params`` names the largest one).
@@ -131,8 +137,12 @@ def estimate_memory(
         )
     if offload not in (None, "cpu", "disk"):
         raise ValueError(f"offload: expected None, 'cpu' or 'disk', got {offload!r}")
-    if not isinstance(param_dtype, torch.dtype):
-        raise TypeError(f"param_dtype: expected a torch.dtype, got {param_dtype!r}")
+    for name, dtype in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype)):
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{name}: expected a torch.dtype, got {dtype!r}")
+    elem = _Bytes(
+        master=_element_size(param_dtype), compute=_element_size(compute_dtype or param_dtype)
+    )
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < {world_size}, got {rank}")
     strategies = _strategies(strategy, stage)
@@ -141,7 +151,7 @@ def estimate_memory(
             _sizes(model_or_num_params, member, world_size, auto_wrap_policy, largest_unit_params),
             member,
             world_size,
-            torch.empty((), dtype=param_dtype).element_size(),
+            elem,
             OPTIMIZER_STATES[optimizer],
             offload,
             rank,
@@ -149,6 +159,10 @@ def estimate_memory(
         for member in strategies
     )
     return estimates if strategy is None and stage is None else estimates[0]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _strategies(strategy: Any, stage: int | None) -> tuple[ShardingStrategy, ...]:
@@ -264,50 +278,63 @@ def _shard_numels(sizes: _ModelSizes, rank: int | None) -> tuple[int, int]:
     return shard, trainable
 
 
+@dataclass(frozen=True, slots=True)
+class _Bytes:
+    master: int  # b: bytes per element of the stored (master) parameters
+    compute: int  # c: bytes per element of gathered parameters and local gradients
+
+
+def _gathered(sizes: _ModelSizes, strategy: ShardingStrategy, n: int, e: _Bytes):
+    if n == 1 and e.compute == e.master:
+        return 0, "0 (one shard, no cast: the full buffer is the shard)"
+    if strategy is ShardingStrategy.FULL_SHARD:
+        chain = _chain_numel(sizes, 0)
+        return chain * e.compute, f"chain c = {chain:,} x {e.compute}"
+    padded = sum(u.layout.padded_numel for u in sizes.units)
+    return padded * e.compute, f"P c = {padded:,} x {e.compute}"
+
+
+def _gradients(strategy: ShardingStrategy, trainable: int, trainable_shard: int, e: _Bytes):
+    if strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD):
+        return trainable_shard * e.master, f"T b / N = {trainable_shard:,} x {e.master}"
+    if strategy is ShardingStrategy.SHARD_OPTIM:  # full local gradients until the step
+        return trainable * e.compute, f"T c = {trainable:,} x {e.compute}"
+    return trainable * e.master, f"T b = {trainable:,} x {e.master}"
+
+
 def _estimate_one(
     sizes: _ModelSizes,
     strategy: ShardingStrategy,
     world_size: int,
-    elem: int,
+    elem: _Bytes,
     num_states: int,
     offload: str | None,
     rank: int | None,
 ) -> MemoryEstimate:
-    units = sizes.units
-    n = units[0].layout.num_shards
-    padded = sum(u.layout.padded_numel for u in units)
-    trainable = sum(i.numel for u in units for i in u.layout.params if i.requires_grad)
+    n = sizes.units[0].layout.num_shards
+    trainable = sum(i.numel for u in sizes.units for i in u.layout.params if i.requires_grad)
     shard, trainable_shard = _shard_numels(sizes, rank)
     sharded_grads = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
-    if n == 1:
-        gathered, gathered_formula = 0, "0 (one shard: the full buffer is the shard)"
-    elif strategy is ShardingStrategy.FULL_SHARD:
-        chain = _chain_numel(sizes, 0)
-        gathered, gathered_formula = chain * elem, f"chain b = {chain:,} x {elem}"
-    else:
-        gathered, gathered_formula = padded * elem, f"P b = {padded:,} x {elem}"
-    grads = (trainable_shard if sharded_grads else trainable) * elem
-    grads_formula = (
-        f"T b / N = {trainable_shard:,} x {elem}"
-        if sharded_grads
-        else f"T b = {trainable:,} x {elem}"
-    )
-    state_per_tensor = trainable if n == 1 else trainable_shard
-    per_rank = "P b" if n == 1 else "P b / N"
-    device, host, disk = Location.DEVICE, Location.HOST, Location.DISK
-    shard_home = {None: device, "cpu": host, "disk": disk}[offload]
-    grad_home = host if offload == "cpu" and sharded_grads else device
+    gathered, gathered_formula = _gathered(sizes, strategy, n, elem)
+    grads, grads_formula = _gradients(strategy, trainable, trainable_shard, elem)
+    per_tensor = trainable if n == 1 else trainable_shard
+    over_n = "" if n == 1 else " / N"
+    b = elem.master
+    shard_home = {None: Location.DEVICE, "cpu": Location.HOST, "disk": Location.DISK}[offload]
+    grad_home = Location.HOST if offload == "cpu" and sharded_grads else Location.DEVICE
     items = (
-        MemoryItem("parameters", shard * elem, shard_home, f"{per_rank} = {shard:,} x {elem}"),
-        MemoryItem("gathered_parameters", gathered, device, gathered_formula),
+        MemoryItem("parameters", shard * b, shard_home, f"P b{over_n} = {shard:,} x {b}"),
+        MemoryItem("gathered_parameters", gathered, Location.DEVICE, gathered_formula),
         MemoryItem("gradients", grads, grad_home, grads_formula),
         MemoryItem(
             "optimizer_state",
-            num_states * state_per_tensor * elem,
+            num_states * per_tensor * b,
             shard_home,
-            f"k T b{'' if n == 1 else ' / N'} = {num_states} x {state_per_tensor:,} x {elem}",
+            f"k T b{over_n} = {num_states} x {per_tensor:,} x {b}",
         ),
-        MemoryItem("buffers", sizes.buffer_bytes, device, f"{sizes.buffer_bytes:,} B (replicated)"),
+        MemoryItem(
+            "buffers", sizes.buffer_bytes, Location.DEVICE, f"{sizes.buffer_bytes:,} B (replicated)"
+        ),
     )
     return MemoryEstimate(strategy, world_size, items)
 
@@ -337,7 +364,10 @@ def format_table(estimates: tuple[MemoryEstimate, ...]) -> str:
         f"{'total on device':<22}" + "".join(f"{_gib(e.device_bytes):>24}" for e in estimates)
     )
     lines.append("")
-    lines.append("formulas (b bytes/element, N shards, P padded params, T trainable, k states):")
+    lines.append(
+        "formulas (b master / c compute bytes per element, N shards, P padded params, "
+        "T trainable, k optimizer states):"
+    )
     for estimate in estimates:
         lines.append(f"  stage {estimate.stage}:")
         lines.extend(f"    {i.category:<20} {i.formula}" for i in estimate.items)

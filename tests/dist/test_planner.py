@@ -12,18 +12,21 @@ from tests.dist.parity import batch_for, build_model, loss_for, make_optimizer, 
 
 # The planner leaves out per-parameter scalars (Adam's step counters: 4 bytes per tensor).
 ESTIMATE_TOLERANCE = 0.05
+CASES = [("gpt", None), ("mlp", None), ("gpt", torch.bfloat16)]  # (model, compute dtype)
 
 
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _measure(model_kind: str, stage: int, rank: int) -> dict[str, int]:
+def _measure(model_kind: str, stage: int, rank: int, compute_dtype) -> dict[str, int]:
     """Train one step and record what this rank holds, category by category."""
+    precision = shardwrap.MixedPrecision(param_dtype=compute_dtype) if compute_dtype else None
     model = shardwrap.ShardedModule(
         build_model(model_kind),
         sharding_strategy=STAGE_STRATEGIES[stage],
         auto_wrap_policy=wrap_policy(model_kind),
+        mixed_precision=precision,
     )
     optim = make_optimizer(model, "adamw")
     handles = [u.handle for u in model.units if u.handle is not None]
@@ -56,9 +59,9 @@ def _measure(model_kind: str, stage: int, rank: int) -> dict[str, int]:
 
 def _planner_worker(rank: int, world_size: int) -> list[tuple]:
     rows = []
-    for model_kind in ("gpt", "mlp"):
+    for model_kind, compute_dtype in CASES:
         for stage in STAGE_STRATEGIES:
-            measured = _measure(model_kind, stage, rank)
+            measured = _measure(model_kind, stage, rank, compute_dtype)
             with torch.device("meta"):  # the planner needs no real parameters
                 unwrapped = build_model(model_kind)
             estimate = estimate_memory(
@@ -66,10 +69,12 @@ def _planner_worker(rank: int, world_size: int) -> list[tuple]:
                 world_size=world_size,
                 stage=stage,
                 auto_wrap_policy=wrap_policy(model_kind),
+                compute_dtype=compute_dtype,
                 rank=rank,
             )
             for category, held in measured.items():
-                rows.append((model_kind, stage, category, held, estimate.bytes(category)))
+                case = f"{model_kind} ({compute_dtype or 'fp32'})"
+                rows.append((case, stage, category, held, estimate.bytes(category)))
     return rows
 
 

@@ -37,6 +37,15 @@ def test_padding_and_dtype():
     )
 
 
+def test_mixed_precision_keeps_fp32_master_and_state():
+    mixed = estimate_memory(P, world_size=N, stage=1, compute_dtype=torch.bfloat16)
+    assert mixed.bytes("parameters") == 4 * P // N and mixed.bytes("optimizer_state") == 8 * P // N
+    assert mixed.bytes("gathered_parameters") == 2 * P  # the bf16 working copy
+    assert mixed.bytes("gradients") == 2 * P  # ZeRO-1: bf16 local gradients until the step
+    one_rank = estimate_memory(P, world_size=1, stage=0, compute_dtype=torch.bfloat16)
+    assert one_rank.bytes("gathered_parameters") == 2 * P  # a cast copy even with one shard
+
+
 def test_offload_moves_categories_off_the_device():
     plain = estimate_memory(P, world_size=N, stage=3)
     cpu = estimate_memory(P, world_size=N, stage=3, offload="cpu")
