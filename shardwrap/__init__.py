@@ -7,6 +7,7 @@ from .groups import hybrid_process_groups
 from .options import (
     BackwardPrefetch,
     CPUOffload,
+    DiskOffload,
     FullStateDictConfig,
     MixedPrecision,
     ShardedStateDictConfig,
@@ -22,6 +23,7 @@ __all__ = [
     "ShardedStateDictConfig",
     "StateDictType",
     "CPUOffload",
+    "DiskOffload",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardedEngine",
