@@ -20,9 +20,12 @@ import torch
 from torch import nn
 
 from .ds_config import DeepSpeedConfig, OffloadDevice
-from .options import CPUOffload, MixedPrecision
+from .options import CPUOffload, DiskOffload, MixedPrecision
 from .planner import STAGE_STRATEGIES
 from .wrap import ShardedModule
+
+# Optimizers whose state DiskOffload places in files.
+DISK_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 
 # torch optimizers whose update treats every element on its own (safe on shards).
 ELEMENTWISE_OPTIMIZERS = (
@@ -50,15 +53,24 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
             "zero_optimization.offload_optimizer: stepping the optimizer on the CPU for an "
             "accelerator model is not supported yet (on a CPU-only model it is a no-op)"
         )
-    cpu_offload = None
+    cpu_offload: CPUOffload | DiskOffload | None = None
     if zero.offload_param.device is OffloadDevice.CPU:
         cpu_offload = CPUOffload(offload_params=True)  # the core rejects accelerator models
+    if zero.offload_optimizer.device is OffloadDevice.NVME:
+        if cpu_offload is not None:
+            raise ValueError(
+                "zero_optimization: offload_param {device: cpu} together with "
+                "offload_optimizer {device: nvme} is not supported"
+            )
+        cpu_offload = DiskOffload(zero.offload_optimizer.nvme_path)  # type: ignore[arg-type]
     if isinstance(model, ShardedModule):
         if model.mixed_precision != mixed_precision_of(config):
             raise ValueError(
                 f"model: a ShardedModule with mixed_precision={model.mixed_precision} does not "
                 f"match the config's bf16/fp16 blocks ({mixed_precision_of(config)})"
             )
+        if cpu_offload is not None:
+            raise ValueError("model: give an unwrapped model when the config asks for offload")
         if model.sharding_strategy is not strategy:
             raise ValueError(
                 f"model: already a ShardedModule with {model.sharding_strategy.name}, but "

@@ -137,17 +137,17 @@ def dataloader_indices(rank: int, world_size: int) -> list[list[int]]:
     return [batch[0].tolist() for batch in loader]
 
 
-def all_cases(rank: int, world_size: int) -> dict:
+def all_cases(rank: int, world_size: int, scratch: str) -> dict:
     """Every engine case in one spawn (spawning costs more than the training)."""
     norms = {
         stage: train_engine_and_reference(
-            rank, world_size, stage=stage, accumulation=2, clipping=0.5
+            rank, world_size, stage=stage, accumulation=2, clipping=0.5, num_steps=2
         )
         for stage in (0, 1, 2, 3)
     }
     train_with_client_optimizer(rank, world_size)
-    bf16_engine_equals_sharded_module(rank, world_size, stage=3)
-    fp16_engine_equals_manual_scaling(rank, world_size, stage=1)
+    fp16_engine_equals_manual_scaling(rank, world_size, stage=3)  # one rank's inf skips all
+    nvme_engine_equals_memory_engine(rank, world_size, scratch, stage=2)
     indices = dataloader_indices(rank, world_size)
     dist.barrier()
     return {"norms": norms, "indices": indices}
@@ -251,3 +251,23 @@ def fp16_engine_equals_manual_scaling(rank: int, world_size: int, stage: int) ->
     for old, new in zip(before, engine.module.parameters(), strict=True):
         assert torch.equal(old, new.detach())
         assert new.grad is None
+
+
+def nvme_engine_equals_memory_engine(rank: int, world_size: int, path: str, stage: int) -> None:
+    """``offload_optimizer: {device: nvme}`` trains exactly like the same run in memory."""
+    model = build_model("gpt")
+    in_memory = make_engine(copy.deepcopy(model), stage, 2, 0.5)
+    nvme = {"device": "nvme", "nvme_path": path}
+    config = {**ds_config(stage, 2, 0.5)}
+    config["zero_optimization"] = {"stage": stage, "offload_optimizer": nvme}
+    on_disk, _, _, _ = shardwrap.initialize(
+        model=model, config=config, auto_wrap_policy=wrap_policy("gpt")
+    )
+    assert on_disk.module.disk_store is not None
+    for step in range(2):
+        engine_step(in_memory, rank, step, world_size, 2)
+        engine_step(on_disk, rank, step, world_size, 2)
+        for (name, kept), (_, mapped) in zip(
+            in_memory.module.named_parameters(), on_disk.module.named_parameters(), strict=True
+        ):
+            torch.testing.assert_close(mapped, kept, rtol=0, atol=0, msg=name)

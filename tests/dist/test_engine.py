@@ -10,8 +10,8 @@ from tests.dist.harness import run_ranks
 
 # 3 ranks force padding; 2 ranks train in test_engine_checkpoint.py.
 @pytest.mark.parametrize("world_size", [3])
-def test_engine_matches_reference(world_size: int) -> None:
-    results = run_ranks(engine_cases.all_cases, world_size)
+def test_engine_matches_reference(tmp_path, world_size: int) -> None:
+    results = run_ranks(engine_cases.all_cases, world_size, str(tmp_path))
     for stage, norms in results[0]["norms"].items():
         # the clipping threshold must bite at least once, or clipping went untested
         assert max(norms) > 0.5, f"stage {stage}: gradient norms {norms} never clipped"
@@ -43,3 +43,8 @@ def test_fp16_engine_on_one_rank(one_rank, stage: int) -> None:
 
 def test_client_optimizer_on_one_rank(one_rank) -> None:
     engine_cases.train_with_client_optimizer(0, 1)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nvme_offload_engine_on_one_rank(one_rank, tmp_path, stage: int) -> None:
+    engine_cases.nvme_engine_equals_memory_engine(0, 1, str(tmp_path), stage)

@@ -32,7 +32,25 @@ def test_needs_a_process_group():
                     "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
                 }
             },
-            "'nvme' \\(disk offload\\) is not supported yet",
+            "'nvme' keeps optimizer state on disk for Adam and AdamW only, got SGD",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+                }
+            },
+            "offload_param.device: 'nvme' is not supported",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent"},
+                }
+            },
+            "DiskOffload: path '/nonexistent' does not exist",
         ),
         ({"train_batch_size": 5, "gradient_accumulation_steps": 2}, r"\(5\).*\(2\).*\(1\)"),
     ],
