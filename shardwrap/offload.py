@@ -68,6 +68,8 @@ class DiskStore:
         self._counter = itertools.count()
         self.handles: list[FlatParamHandle] = []
         self.num_bytes = 0  # bytes mapped so far
+        # One mapped buffer per (handle, Adam state name), laid out like the shard.
+        self._state_buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._hook = None
         self._finalizer = weakref.finalize(self, _remove_directory, self.directory)
 
@@ -96,33 +98,40 @@ class DiskStore:
         self._finalizer = weakref.finalize(self, _detach, self._hook, self.directory)
 
     def place_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Create Adam/AdamW state in mapped buffers for our shards that have none yet."""
+        """Put Adam/AdamW state of our shards in mapped buffers (new, or loaded into memory)."""
         mine = {id(p): (h, i) for h in self.handles for i, p in enumerate(h.shard_params)}
-        fresh = [
-            (group, p)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if id(p) in mine and not optimizer.state.get(p)
-        ]
-        if not fresh:
+        ours = [(g, p) for g in optimizer.param_groups for p in g["params"] if id(p) in mine]
+        if not ours:
             return
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             raise ValueError(
                 f"DiskOffload: keeps optimizer state on disk for Adam and AdamW only, got "
                 f"{type(optimizer).__name__}"
             )
-        buffers: dict[tuple[int, str], torch.Tensor] = {}
-        for group, param in fresh:
+        for group, param in ours:
             handle, index = mine[id(param)]
             names = _ADAM_STATES + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
-            state = {"step": torch.tensor(0.0)}
+            state = optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
             for name in names:
-                key = (id(handle), name)
-                if key not in buffers:
-                    numel = handle.layout.shard_numel
-                    buffers[key] = self.allocate(f"{handle.unit_name}.{name}", numel, handle.dtype)
-                state[name] = _shard_view(handle, index, buffers[key])
-            optimizer.state[param] = state
+                current = state.get(name)
+                if current is not None and is_file_backed(current):
+                    continue
+                # A fresh state, or one optimizer.load_state_dict put back in memory.
+                placed = _shard_view(handle, index, self._state_buffer(handle, name))
+                with torch.no_grad():
+                    placed.copy_(current if current is not None else torch.zeros(()))
+                state[name] = placed
+
+    def _state_buffer(self, handle: FlatParamHandle, name: str) -> torch.Tensor:
+        key = (id(handle), name)
+        if key not in self._state_buffers:
+            numel = handle.layout.shard_numel
+            self._state_buffers[key] = self.allocate(
+                f"{handle.unit_name}.{name}", numel, handle.dtype
+            )
+        return self._state_buffers[key]
 
 
 def _detach(hook, directory: str) -> None:
