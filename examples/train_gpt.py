@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
 
 On CPU the ranks use gloo; with CUDA, NCCL and one GPU per rank. The corpus is the
-project's README, so nothing is downloaded.
+project's README, so nothing is downloaded. Halfway through, it saves a sharded checkpoint,
+restores it into a freshly built model (as a restarted job would) and trains on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwrap
+from shardwrap.checkpoint import load_checkpoint, save_checkpoint
 from shardwrap.wrap import ModuleWrapPolicy
 
 
@@ -110,6 +112,41 @@ def report_memory(model: shardwrap.ShardedModule, optim: torch.optim.Optimizer, 
         print("\n".join(gathered))
 
 
+def build(args, device: torch.device, use_cuda: bool, seed: int = 0):
+    torch.manual_seed(seed)  # same initial weights on every rank
+    model = GPT(vocab=256, dim=args.dim, depth=args.depth, num_heads=4, seq=args.seq)
+    model = shardwrap.ShardedModule(
+        model,
+        sharding_strategy=args.strategy,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        device_id=device if use_cuda else None,
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def train(model, optim, data, generator, args, steps: range, device: torch.device) -> None:
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    for count, step in enumerate(steps, start=1):
+        inputs, targets = (t.to(device) for t in batch(data, args.seq, args.batch, generator))
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        if step == args.steps:
+            report_memory(model, optim, rank)
+        optim.step()
+        optim.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        if rank == 0 and (step % 5 == 0 or count == 1):
+            elapsed = time.perf_counter() - start
+            print(
+                f"step {step:4d}/{args.steps}  loss {mean.item() / dist.get_world_size():.4f}"
+                f"  {elapsed / count:.3f}s/step",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
@@ -118,6 +155,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--strategy", default="FULL_SHARD")
+    parser.add_argument("--ckpt-dir", default="runs/demo", help="where checkpoints go")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -129,17 +167,6 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.set_num_threads(1)
 
-    torch.manual_seed(0)  # same initial weights on every rank
-    model = GPT(vocab=256, dim=args.dim, depth=args.depth, num_heads=4, seq=args.seq)
-    model = shardwrap.ShardedModule(
-        model,
-        sharding_strategy=args.strategy,
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
-        device_id=device if use_cuda else None,
-    )
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = corpus().to(device)
-    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     if rank == 0:
         num_params = sum(
             p.numel() for p in GPT(256, args.dim, args.depth, 4, args.seq).parameters()
@@ -148,25 +175,24 @@ def main() -> None:
             f"training a {num_params / 1e6:.2f}M-parameter GPT, {args.strategy}, "
             f"{dist.get_world_size()} ranks on {device.type}"
         )
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        inputs, targets = (t.to(device) for t in batch(data, args.seq, args.batch, generator))
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        if step == args.steps:
-            report_memory(model, optim, rank)
-        optim.step()
-        optim.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        if rank == 0 and (step % 5 == 0 or step == 1):
-            elapsed = time.perf_counter() - start
-            print(
-                f"step {step:4d}/{args.steps}  loss {mean.item() / dist.get_world_size():.4f}"
-                f"  {elapsed / step:.3f}s/step",
-                flush=True,
-            )
+    data = corpus().to(device)
+    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    model, optim = build(args, device, use_cuda)
+    half = args.steps // 2
+    train(model, optim, data, generator, args, range(1, half + 1), device)
+    ckpt = Path(args.ckpt_dir) / f"step-{half}"
+    save_checkpoint(ckpt, model, optim, extra={"step": half, "rng": generator.get_state().tolist()})
+    if rank == 0:
+        print(f"saved a sharded checkpoint to {ckpt}; restoring it into a fresh model")
+    del model, optim  # as if the job had been restarted
+    model, optim = build(args, device, use_cuda, seed=1)  # other weights: the load must win
+    extra = load_checkpoint(ckpt, model, optim)
+    generator.set_state(torch.tensor(extra["rng"], dtype=torch.uint8))
+    train(model, optim, data, generator, args, range(extra["step"] + 1, args.steps + 1), device)
+    final = Path(args.ckpt_dir) / f"step-{args.steps}"
+    save_checkpoint(final, model, optim, extra={"step": args.steps})
+    if rank == 0:
+        print(f"saved {final}; look inside with: python -m shardwrap inspect {final}")
     dist.destroy_process_group()
 
 

@@ -8,12 +8,15 @@ not recorded, because nothing is moved.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,7 @@ class CommRecord:
     num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
     group_size: int
     unit: str = ""  # the unit it serves ("" for the root unit or none)
+    elapsed_s: float | None = None  # issue to end of wait, when the ledger times collectives
 
     @property
     def wire_bytes(self) -> float:
@@ -38,9 +42,17 @@ class CommLedger:
     """Append-only list of collectives; ``reset`` between measured steps."""
 
     records: list[CommRecord] = field(default_factory=list)
+    time_collectives: bool = False  # note each collective's wall time (shardwrap.profile)
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
+
+    def note_elapsed(self, record: CommRecord, seconds: float) -> None:
+        """Attach a wall time to ``record`` (a no-op if the ledger was reset meanwhile)."""
+        for index in range(len(self.records) - 1, -1, -1):
+            if self.records[index] is record:
+                self.records[index] = replace(record, elapsed_s=seconds)
+                return
 
     def reset(self) -> None:
         self.records.clear()
@@ -97,8 +109,9 @@ class Communicator:
         if self.size == 1:
             out_full.copy_(in_shard)
             return _DoneWork()
-        self._record("all_gather", purpose, out_full, unit)
-        return dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
+        start = self._record("all_gather", purpose, out_full, unit)
+        work = dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
+        return self._timed(work, start)
 
     def reduce_scatter(
         self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit: str = ""
@@ -107,10 +120,11 @@ class Communicator:
         if self.size == 1:
             out_shard.copy_(in_full)
             return _DoneWork()
-        self._record("reduce_scatter", purpose, in_full, unit)
-        return dist.reduce_scatter_single(
+        start = self._record("reduce_scatter", purpose, in_full, unit)
+        work = dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
+        return self._timed(work, start)
 
     def all_reduce(
         self, tensor: torch.Tensor, *, purpose: str, unit: str = "", op=dist.ReduceOp.SUM
@@ -118,15 +132,16 @@ class Communicator:
         """In-place reduction of ``tensor`` over ranks; returns a waitable."""
         if self.size == 1:
             return _DoneWork()
-        self._record("all_reduce", purpose, tensor, unit)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        start = self._record("all_reduce", purpose, tensor, unit)
+        return self._timed(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), start)
 
     def broadcast(self, tensor: torch.Tensor, *, src_rank: int, purpose: str):
         """Copy ``tensor`` from group rank ``src_rank`` to every rank; returns a waitable."""
         if self.size == 1:
             return _DoneWork()
-        self._record("broadcast", purpose, tensor)
-        return dist.broadcast(tensor, group=self.group, group_src=src_rank, async_op=True)
+        start = self._record("broadcast", purpose, tensor)
+        work = dist.broadcast(tensor, group=self.group, group_src=src_rank, async_op=True)
+        return self._timed(work, start)
 
     def all_gather_object(self, obj: object, *, purpose: str) -> list[object]:
         """Every rank's ``obj`` (small Python values: flags, names, shapes)."""
@@ -137,10 +152,17 @@ class Communicator:
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
         return gathered
 
-    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> None:
+    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> float:
+        """Check (debug), record, and return the issue time for :meth:`_timed`."""
         if self.checker is not None:
             self.checker.check(kind, purpose, unit, tensor, self.size)
         self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit))
+        return time.perf_counter()
+
+    def _timed(self, work, start: float):
+        if not self.ledger.time_collectives:
+            return work
+        return _TimedWork(work, self.ledger, self.ledger.records[-1], start)
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -186,6 +208,21 @@ class CollectiveChecker:
 def _describe(signature: object) -> str:
     unit, kind, purpose, numel, dtype, _ = signature  # type: ignore[misc]
     return f"{kind} of {purpose} for unit {unit or '<root>'!r} ({numel} x {dtype})"
+
+
+class _TimedWork:
+    """A waitable that notes, in the ledger, the time from issue to the end of its wait."""
+
+    def __init__(self, work, ledger: CommLedger, record: CommRecord, start: float) -> None:
+        self._work = work
+        self._ledger = ledger
+        self._record = record
+        self._start = start
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        self._ledger.note_elapsed(self._record, time.perf_counter() - self._start)
+        return done
 
 
 def is_initialized() -> bool:

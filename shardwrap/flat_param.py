@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from .collectives import Communicator
+from .collectives import ROOT_LABEL, Communicator
 from .layout import FlatLayout
 from .mixed_precision import HandlePrecision
 from .options import ShardingStrategy
@@ -43,6 +45,16 @@ ShardAllocator = Callable[[str, int, torch.dtype], torch.Tensor]
 class ShardedState(enum.Enum):
     SHARDED = "SHARDED"  # module shows shard views; flat_full freed (or kept stale, ZeRO-1)
     UNSHARDED = "UNSHARDED"  # module shows full views; flat_full holds gathered parameters
+
+
+@dataclass
+class _Reduction:
+    """A gradient reduction in flight: its waitable, where it lands, and its live input."""
+
+    work: Any
+    output: torch.Tensor  # 1D: the reduced shard (or the whole flat gradient, one shard)
+    flat_grad: torch.Tensor  # 1D, padded: kept alive until the collective is done
+    replicate_done: bool  # the replica all-reduce already ran as the first stage
 
 
 class ParamSite:
@@ -97,6 +109,7 @@ class FlatParamHandle:
             for info, param in zip(layout.params, params, strict=True):
                 flat_init[info.offset : info.end].copy_(param.detach().reshape(-1))
         start, end = layout.shard_range(shard_comm.rank)
+        self.pieces = layout.pieces(shard_comm.rank)  # this rank's piece of each parameter
         # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
         self.flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
         if shard_allocator is not None:  # the shard lives elsewhere (DiskOffload: a mapped file)
@@ -117,6 +130,12 @@ class FlatParamHandle:
         # Reduced gradient of this backward, waiting for the presence vote (1D, shard_numel).
         self.pending_grad_shard: torch.Tensor | None = None
         self.local_grad_present = [False] * len(params)
+        self._gather_work: Any = None  # an all-gather issued ahead (prefetch), not yet waited
+        self._gather_input: torch.Tensor | None = None  # its input, alive until it is done
+        self._gather_version: int | None = None  # flat_shard._version when it was issued
+        # Restores flat_full's autograd version to what it was before that all-gather.
+        self._gather_version_guard: Any = None
+        self._reductions: list[_Reduction] = []  # gradient reductions issued, not yet waited
         self.reshard(free=True)
 
     # ------------------------------------------------------------------ views
@@ -139,7 +158,7 @@ class FlatParamHandle:
         if self.num_shards == 1:
             view = self.flat_shard[info.offset : info.end].view(info.shape)
         else:
-            piece = self.layout.pieces(self.shard_comm.rank)[index]
+            piece = self.pieces[index]
             view = self.flat_shard[piece.shard_start : piece.shard_end]
         return nn.Parameter(view, requires_grad=info.requires_grad)
 
@@ -147,6 +166,11 @@ class FlatParamHandle:
         for param, sites in zip(params, self.sites, strict=True):
             for site in sites:
                 site.set(param)
+
+    @property
+    def comm_label(self) -> str:
+        """The unit's name as its collectives are recorded."""
+        return self.unit_name or ROOT_LABEL
 
     def rename(self, prefix: str) -> None:
         """Prefix every parameter name (the unit was adopted by an enclosing root)."""
@@ -162,12 +186,22 @@ class FlatParamHandle:
         """Gather the full parameters (if stale) and show them on the module."""
         if self.state is ShardedState.UNSHARDED and self.full_is_current:
             return
-        if not self.full_is_current:
-            self._gather()
+        self.start_unshard()
+        self._finish_gather()
+        if not self.full_is_current:  # the shard changed after a prefetch was issued
+            self.start_unshard()
+            self._finish_gather()
         self._show(self.full_params)
         self.state = ShardedState.UNSHARDED
 
-    def _gather(self) -> None:
+    def start_unshard(self) -> None:
+        """Issue the all-gather of a stale copy without waiting (prefetch).
+
+        :meth:`unshard` completes it; until then ``flat_full`` must not be read.
+        """
+        if self._gather_work is not None or self.full_is_current:
+            return
+        version = self.flat_shard._version
         if self.separate_full:
             storage = self.flat_full.untyped_storage()
             needed = self.flat_full.numel() * self.flat_full.element_size()
@@ -175,17 +209,39 @@ class FlatParamHandle:
                 storage.resize_(needed)
             # Cast before gathering, so the collective moves compute_dtype bytes.
             shard = self.flat_shard.detach().to(self.compute_dtype)
-            with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                self.shard_comm.all_gather(
-                    self.flat_full, shard, purpose="params", unit=self.unit_name
-                ).wait()
-        self._gathered_version = self.flat_shard._version
+            self._gather_version_guard = torch.autograd._unsafe_preserve_version_counter(
+                self.flat_full
+            )
+            with self._gather_version_guard:
+                self._gather_work = self.shard_comm.all_gather(
+                    self.flat_full, shard, purpose="params", unit=self.comm_label
+                )
+            self._gather_input = shard
+        self._gather_version = version
+        if self._gather_work is None:
+            self._gathered_version = version
+
+    def _finish_gather(self) -> None:
+        if self._gather_work is None:
+            return
+        # The collective bumps flat_full's version whenever it lands (on gloo, on its own
+        # thread): restore the version from before it was issued, see [Note: version counters].
+        with self._gather_version_guard:
+            self._gather_work.wait()
+        self._gather_work = None
+        self._gather_input = None
+        self._gathered_version = self._gather_version
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gather_work is not None
 
     def reshard(self, *, free: bool) -> None:
         """Show the shard views; release the gathered storage when ``free``."""
         self._show(self.shard_params)
         self.state = ShardedState.SHARDED
         if free and self.separate_full:
+            self._finish_gather()  # never release storage under an all-gather in flight
             self.flat_full.untyped_storage().resize_(0)
             self._gathered_version = None
 
@@ -206,18 +262,42 @@ class FlatParamHandle:
         Parameters without a local gradient contribute zeros; whether they get a gradient
         at all is decided by the presence vote (:meth:`assign_grads`).
         """
+        self.start_reduce_grads()
+        self.finish_reduce_grads()
+
+    def start_reduce_grads(self) -> None:
+        """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it."""
         flat_grad = self._flatten_local_grads().to(self.reduce_dtype)
         reduced = torch.empty_like(self.flat_shard, dtype=self.reduce_dtype)
-        self.shard_comm.reduce_scatter(
-            reduced, flat_grad, purpose="grads", unit=self.unit_name
-        ).wait()
-        if self.replicate_comm is not None:
-            self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.unit_name).wait()
-        reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
-        if self.pending_grad_shard is None:
-            self.pending_grad_shard = reduced
-        else:
-            self.pending_grad_shard.add_(reduced)
+        if self.num_shards == 1 and self.replicate_comm is not None:
+            # Plain data parallel: the all-reduce is the first (and only) stage.
+            work = self.replicate_comm.all_reduce(flat_grad, purpose="grads", unit=self.comm_label)
+            self._reductions.append(_Reduction(work, flat_grad, flat_grad, replicate_done=True))
+            return
+        work = self.shard_comm.reduce_scatter(
+            reduced, flat_grad, purpose="grads", unit=self.comm_label
+        )
+        self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
+
+    def finish_reduce_grads(self) -> None:
+        """Wait for the reductions in flight and add them to ``pending_grad_shard``."""
+        for reduction in self._reductions:
+            reduction.work.wait()
+            reduced = reduction.output
+            if self.replicate_comm is not None and not reduction.replicate_done:
+                self.replicate_comm.all_reduce(
+                    reduced, purpose="grads", unit=self.comm_label
+                ).wait()
+            reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
+            if self.pending_grad_shard is None:
+                self.pending_grad_shard = reduced
+            else:
+                self.pending_grad_shard.add_(reduced)
+        self._reductions.clear()
+
+    @property
+    def reduce_in_flight(self) -> bool:
+        return bool(self._reductions)
 
     def _flatten_local_grads(self) -> torch.Tensor:
         flat_grad = torch.zeros_like(self.flat_full, memory_format=torch.contiguous_format)
@@ -245,7 +325,7 @@ class FlatParamHandle:
             if self.num_shards == 1:
                 grad = pending[info.offset : info.end].view(info.shape)
             else:
-                piece = self.layout.pieces(self.shard_comm.rank)[index]
+                piece = self.pieces[index]
                 grad = pending[piece.shard_start : piece.shard_end]
             if param.grad is None:
                 param.grad = grad.clone()

@@ -53,6 +53,8 @@ class Unit:
         # Forwards of this unit in progress: a registered method (``generate``) that calls
         # ``forward`` nests them; only the outermost one reshards.
         self.forward_depth = 0
+        # None: the strategy decides; True/False: set_reshard_after_forward overrides it.
+        self.reshard_after_forward_override: bool | None = None
         self._hook_handles: list[Any] = []
 
     def __repr__(self) -> str:
@@ -65,6 +67,7 @@ class Unit:
         self.forward_depth += 1
         if self.handle is not None:
             self.handle.unshard()
+        runtime.schedule.after_pre_forward(self)
         if self.state is TrainingState.IDLE:
             self.state = TrainingState.FORWARD
         if torch.is_grad_enabled() and self._has_trainable_params():
@@ -76,7 +79,7 @@ class Unit:
         self.forward_depth = max(self.forward_depth - 1, 0)
         nested = self.forward_depth > 0
         if self.handle is not None and self.state is not TrainingState.BACKWARD and not nested:
-            if not training or self.strategy.reshard_after_forward:
+            if not training or self.reshard_after_forward:
                 self.handle.reshard(free=self.strategy.free_after_backward)
             elif self.strategy.reduces_at_step:
                 self.handle.reshard(free=False)
@@ -91,6 +94,7 @@ class Unit:
             if self.handle is not None:
                 self.handle.unshard()
             self.state = TrainingState.BACKWARD
+            runtime.schedule.after_pre_backward(self, runtime.execution_order)
 
     def post_backward(self) -> None:
         """Reduce this unit's gradients (unless deferred) and reshard."""
@@ -100,9 +104,17 @@ class Unit:
         handle = self.handle
         if handle is not None:
             if runtime.sync_grads and not self.strategy.reduces_at_step:
-                handle.reduce_grads()
+                runtime.schedule.start_reduce(handle)
             handle.reshard(free=self.strategy.free_after_backward)
         self.state = TrainingState.BACKWARD_DONE
+        runtime.schedule.after_post_backward(self, runtime.execution_order)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Free the gathered parameters after forward (re-gather them for backward)."""
+        if self.reshard_after_forward_override is not None:
+            return self.reshard_after_forward_override and self.strategy.free_after_backward
+        return self.strategy.reshard_after_forward
 
     # ------------------------------------------------------------ helpers
     def _runtime(self) -> StepRuntime:

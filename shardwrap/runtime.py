@@ -22,6 +22,7 @@ from torch.optim.optimizer import (
 
 from .collectives import Communicator
 from .hooks import TrainingState, Unit
+from .schedule import Schedule
 
 # Runtimes whose optimizer hooks are live, so that code holding only an optimizer (a grad
 # scaler) can make ZeRO-1 gradients reduced before reading them.
@@ -38,9 +39,10 @@ def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
 class StepRuntime:
     """State shared by all units of one root ``ShardedModule`` across a training step."""
 
-    def __init__(self, units: list[Unit], world_comm: Communicator) -> None:
+    def __init__(self, units: list[Unit], world_comm: Communicator, schedule: Schedule) -> None:
         self.units = units
         self.world_comm = world_comm
+        self.schedule = schedule
         self.sync_grads = True
         self.execution_order: list[Unit] = []  # units in first-forward order this step
         self._finalize_queued = False
@@ -64,8 +66,9 @@ class StepRuntime:
                     self._abandon(unit)
 
     def _abandon(self, unit: Unit) -> None:
-        # A forward whose backward never ran (evaluation with grad enabled, an exception):
-        # drop its local gradients? No: keep them, as autograd would, and just reshard.
+        # A forward whose backward never ran (evaluation with grad enabled, an exception).
+        # Local gradients already accumulated stay, as autograd would keep them; only the
+        # gathered parameters are released.
         if unit.handle is not None and unit.strategy.free_after_backward:
             unit.handle.reshard(free=True)
         unit.state = TrainingState.IDLE
@@ -87,6 +90,7 @@ class StepRuntime:
         for unit in reversed(self.execution_order):
             if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
                 unit.post_backward()
+        self.schedule.end_step(self.execution_order)
         if self.sync_grads:
             step_units = [u for u in self.units if not u.strategy.reduces_at_step]
             self._check_late_grads(step_units)

@@ -37,6 +37,7 @@ from .policies import (
     wrap,
 )
 from .runtime import StepRuntime
+from .schedule import Schedule
 from .units import assign_params, build_unit, collect_params
 
 __all__ = [
@@ -152,7 +153,10 @@ class ShardedModule(nn.Module):
             unit.register()
         full_ids = {id(m) for m in full_precision}
         precision.install_casts(new_units, module, self.mixed_precision, full_ids)
-        self._runtime = StepRuntime(self._units, world_comm)
+        schedule = Schedule(
+            forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch
+        )
+        self._runtime = StepRuntime(self._units, world_comm, schedule)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -171,6 +175,18 @@ class ShardedModule(nn.Module):
 
     summon_full_params = staticmethod(full_params.summon_full_params)
     register_forward_method = staticmethod(forward_methods.register_forward_method)
+
+    def set_reshard_after_forward(self, reshard: bool, *, root_only: bool = True) -> None:
+        """Whether units free their gathered parameters after forward.
+
+        ``False`` keeps them gathered until backward, as FSDP keeps its root: one all-gather
+        less per unit and step, at the cost of that unit's full size in memory between
+        forward and backward. ``root_only`` (default) applies it to the root's own unit.
+        Strategies that never free (ZeRO-1, NO_SHARD) are unaffected.
+        """
+        value = _check_bool("reshard", reshard)
+        for unit in self._units[:1] if _check_bool("root_only", root_only) else self._units:
+            unit.reshard_after_forward_override = value
 
     # ------------------------------------------------------------------ debug
     def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:

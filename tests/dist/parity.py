@@ -22,6 +22,9 @@ class Case:
     optimizer: str = "adamw"  # "adamw" | "sgd"
     hybrid_shard_size: int = 0  # >0: HYBRID groups of this many ranks
     num_steps: int = 3
+    forward_prefetch: bool = False
+    backward_prefetch: str | None = "BACKWARD_PRE"
+    keep_root_gathered: bool = False  # set_reshard_after_forward(False) on the root
 
 
 def build_model(kind: str) -> nn.Module:
@@ -63,12 +66,17 @@ def wrap_case(model: nn.Module, case: Case) -> shardwrap.ShardedModule:
     kwargs = {}
     if case.hybrid_shard_size:
         kwargs["process_group"] = shardwrap.hybrid_process_groups(case.hybrid_shard_size)
-    return shardwrap.ShardedModule(
+    sharded = shardwrap.ShardedModule(
         model,
         sharding_strategy=case.strategy,
         auto_wrap_policy=wrap_policy(case.model) if case.nested else None,
+        forward_prefetch=case.forward_prefetch,
+        backward_prefetch=case.backward_prefetch,
         **kwargs,
     )
+    if case.keep_root_gathered:
+        sharded.set_reshard_after_forward(False)
+    return sharded
 
 
 def check_shards(

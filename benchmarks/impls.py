@@ -1,0 +1,256 @@
+"""The implementations the benchmark compares, each behind one small trainer class.
+
+Every trainer takes the same freshly seeded GPT, uses AdamW with the same settings and
+exposes ``step(inputs, targets) -> loss`` and ``model_state() -> {category: bytes}``.
+Model-state bytes are measured from the tensors each implementation actually holds
+(each storage counted once); see ``model_state`` of each class for what is visible.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from benchmarks import gpt
+
+LEARNING_RATE = 1e-3
+WEIGHT_DECAY = 0.01
+
+
+def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+
+
+class StorageCounter:
+    """Sums storage bytes, counting each storage once across all categories."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, int]] = set()
+
+    def bytes(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for tensor in tensors:
+            if tensor is None:
+                continue
+            if hasattr(tensor, "to_local"):  # a DTensor (FSDP2): what this rank holds
+                tensor = tensor.to_local()
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), storage.size())
+            if storage.size() and key not in self._seen:
+                self._seen.add(key)
+                total += storage.size()
+        return total
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer):
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class TorchTrainer:
+    """A model wrapped by DDP, FSDP1 or FSDP2 and a plain AdamW over its parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.optimizer = make_optimizer(model.parameters())
+        self.last_profile: dict | None = None
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        self.optimizer.zero_grad()
+        loss = gpt.loss_fn(self.model(inputs), targets)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def model_state(self) -> dict[str, int]:
+        """Parameters, ``.grad`` and AdamW state as this rank holds them after a step.
+
+        Internal buffers (DDP's gradient buckets, FSDP's gathered buffers) are not seen.
+        """
+        counter = StorageCounter()
+        params = list(self.model.parameters())
+        return {
+            "params": counter.bytes(params),
+            "grads": counter.bytes(p.grad for p in params),
+            "optimizer_state": counter.bytes(_state_tensors(self.optimizer)),
+        }
+
+
+class ShardwrapTrainer(TorchTrainer):
+    """shardwrap under one strategy; per-step collectives come from ``shardwrap.profile``."""
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        from shardwrap import profile
+
+        with profile.profile_step(self.model) as measured:
+            loss = super().step(inputs, targets)
+        self.last_profile = {
+            kind: {"count": c, "bytes": b, "seconds": s}
+            for kind, (c, b, s) in measured.by_kind().items()
+        }
+        self.last_profile_table = measured.table()
+        return loss
+
+    def model_state(self) -> dict[str, int]:
+        from shardwrap import profile
+
+        memory = profile.memory_by_category(self.model, self.optimizer)
+        return {
+            "params": memory["param_shards"] + memory["full_params"],
+            "grads": memory["grads"],
+            "optimizer_state": memory["optimizer_state"],
+            **{f"shardwrap.{k}": v for k, v in memory.items()},
+        }
+
+
+class DeepSpeedTrainer:
+    """A DeepSpeed engine (ZeRO stage 1/2/3, fp32) around the same torch AdamW."""
+
+    def __init__(self, model: nn.Module, *, stage: int, micro_batch: int, world_size: int):
+        import deepspeed
+
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": micro_batch * world_size,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            # DeepSpeed clips to norm 1.0 unless told otherwise; no other implementation clips.
+            "gradient_clipping": 0.0,
+            "steps_per_print": 10**9,
+        }
+        if torch.get_default_dtype() == torch.bfloat16:
+            config["bf16"] = {"enabled": True}
+        optimizer = make_optimizer(model.parameters())
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config
+        )
+        self.last_profile: dict | None = None
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = gpt.loss_fn(self.engine(inputs), targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach())
+
+    def model_state(self) -> dict[str, int]:
+        """Model parameters (their ZeRO-3 partitions), ``.grad``s, and the inner AdamW's
+        flat fp32 partitions (a master copy DeepSpeed keeps even in fp32) plus its state.
+
+        Gradient buffers inside DeepSpeed's optimizer wrapper are not seen.
+        """
+        counter = StorageCounter()
+        params = list(self.engine.module.parameters())
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        masters = [p for g in inner.param_groups for p in g["params"]]
+        return {
+            "params": counter.bytes(getattr(p, "ds_tensor", p) for p in params),
+            "grads": counter.bytes([p.grad for p in params] + [p.grad for p in masters]),
+            "optimizer_state": counter.bytes(list(_state_tensors(inner)) + masters),
+        }
+
+
+# ------------------------------------------------------------------ builders
+def _block_policy():
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return ModuleWrapPolicy({gpt.Block})
+
+
+def _shardwrap(strategy: str):
+    def build(model: nn.Module, **_) -> ShardwrapTrainer:
+        import shardwrap
+        from shardwrap.policies import ModuleWrapPolicy
+
+        wrapped = shardwrap.ShardedModule(
+            model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({gpt.Block})
+        )
+        return ShardwrapTrainer(wrapped)
+
+    return build
+
+
+def _fsdp1(strategy: str):
+    def build(model: nn.Module, **_) -> TorchTrainer:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+        wrapped = FullyShardedDataParallel(
+            model,
+            sharding_strategy=ShardingStrategy[strategy],
+            auto_wrap_policy=_block_policy(),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        return TorchTrainer(wrapped)
+
+    return build
+
+
+def _fsdp2(model: nn.Module, **_) -> TorchTrainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return TorchTrainer(model)
+
+
+def _ddp(model: nn.Module, **_) -> TorchTrainer:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(model)
+    # The stock hook issues the same bucketed all-reduce from Python, where it is counted.
+    wrapped.register_comm_hook(None, allreduce_hook)
+    return TorchTrainer(wrapped)
+
+
+def _deepspeed(stage: int):
+    def build(model: nn.Module, *, micro_batch: int, world_size: int) -> DeepSpeedTrainer:
+        return DeepSpeedTrainer(model, stage=stage, micro_batch=micro_batch, world_size=world_size)
+
+    return build
+
+
+@dataclass(frozen=True, slots=True)
+class ImplSpec:
+    """One implementation: who makes it, which ZeRO stage it is (0: plain data parallel)."""
+
+    name: str
+    family: str
+    stage: int
+    build: Callable[..., object]
+
+
+IMPLS: dict[str, ImplSpec] = {
+    spec.name: spec
+    for spec in (
+        ImplSpec("sw_full_shard", "shardwrap", 3, _shardwrap("FULL_SHARD")),
+        ImplSpec("sw_shard_grad_op", "shardwrap", 2, _shardwrap("SHARD_GRAD_OP")),
+        ImplSpec("sw_shard_optim", "shardwrap", 1, _shardwrap("SHARD_OPTIM")),
+        ImplSpec("sw_no_shard", "shardwrap", 0, _shardwrap("NO_SHARD")),
+        ImplSpec("fsdp1_full_shard", "fsdp1", 3, _fsdp1("FULL_SHARD")),
+        ImplSpec("fsdp1_shard_grad_op", "fsdp1", 2, _fsdp1("SHARD_GRAD_OP")),
+        ImplSpec("fsdp2", "fsdp2", 3, _fsdp2),
+        ImplSpec("ds_zero1", "deepspeed", 1, _deepspeed(1)),
+        ImplSpec("ds_zero2", "deepspeed", 2, _deepspeed(2)),
+        ImplSpec("ds_zero3", "deepspeed", 3, _deepspeed(3)),
+        ImplSpec("ddp", "ddp", 0, _ddp),
+    )
+}
+
+
+def deepspeed_available() -> tuple[bool, str]:
+    """Whether ``import deepspeed`` works here (it is an optional ``bench`` extra)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "skip it"
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, ""

@@ -1,0 +1,112 @@
+"""shardwrap.profile on real ranks: its byte counts against what the layouts imply.
+
+One spawned run per world size checks all four strategies (2 ranks; 3 forces padding).
+The expected numbers are derived from each unit's ``FlatLayout`` alone:
+
+* FULL_SHARD all-gathers every unit's padded flat parameter twice (forward, then again in
+  backward; the ledger counts each collective's full buffer) and reduce-scatters its padded flat gradient once; SHARD_GRAD_OP and SHARD_OPTIM gather once;
+  NO_SHARD only all-reduces the flat gradient.
+* Model state per rank is 4 bytes per shard element (padding included) for parameters,
+  4 per owned trainable element for gradients and 8 for AdamW's two moments, plus one
+  float32 ``step`` per parameter: 16 * P / N plus padding.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from shardwrap import profile
+from tests.dist import parity
+from tests.dist.harness import run_ranks
+
+FP32_BYTES = 4
+INT32_BYTES = 4  # the presence vote sends one int32 flag per parameter
+ADAM_STEP_BYTES = 4  # torch AdamW (not capturable) keeps ``step`` as a float32 scalar
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
+GATHERS_PER_STEP = {"FULL_SHARD": 2, "SHARD_GRAD_OP": 1, "SHARD_OPTIM": 1, "NO_SHARD": 0}
+
+
+def _handles(model):
+    return [(u.name or profile.ROOT_LABEL, u.handle) for u in model.units if u.handle is not None]
+
+
+def _trainable_piece_numels(handle, rank: int) -> list[int]:
+    pieces = handle.layout.pieces(rank if handle.num_shards > 1 else 0)
+    return [
+        (info.numel if handle.num_shards == 1 else piece.numel)
+        for info, piece in zip(handle.layout.params, pieces, strict=True)
+        if info.requires_grad
+    ]
+
+
+def _check_collectives(strategy: str, model, step: profile.StepProfile) -> None:
+    handles = _handles(model)
+    for label, handle in handles:
+        padded_bytes = FP32_BYTES * handle.layout.padded_numel
+        gathered = step.bytes("all_gather", "params", unit=label)
+        assert gathered == GATHERS_PER_STEP[strategy] * padded_bytes, (label, gathered)
+        kind = "all_reduce" if strategy == "NO_SHARD" else "reduce_scatter"
+        assert step.bytes(kind, "grads", unit=label) == padded_bytes, (label, kind)
+        assert step.count(kind, "grads", unit=label) == 1
+    num_params = sum(len(h.layout.params) for _, h in handles)
+    vote = step.bytes("all_reduce", "grad_presence", unit=profile.SHARED_LABEL)
+    assert vote == INT32_BYTES * num_params
+    assert all(s.seconds > 0.0 for s in step.collectives), "a collective was not timed"
+
+
+def _expected_memory(strategy: str, model, rank: int) -> dict[str, int]:
+    handles = [h for _, h in _handles(model)]
+    trainable = [n for h in handles for n in _trainable_piece_numels(h, rank)]
+    keeps_full = strategy == "SHARD_OPTIM"  # ZeRO-1 keeps the gathered copy between steps
+    return {
+        "full_params": sum(FP32_BYTES * h.layout.padded_numel for h in handles)
+        if keeps_full
+        else 0,
+        "param_shards": sum(FP32_BYTES * h.layout.shard_numel for h in handles),
+        "grads": FP32_BYTES * sum(trainable),
+        "optimizer_state": sum(2 * FP32_BYTES * n + ADAM_STEP_BYTES for n in trainable),
+    }
+
+
+def _one_strategy(rank: int, world_size: int, strategy: str) -> dict[str, int]:
+    case = parity.Case(strategy=strategy)
+    model = parity.build_model("gpt")
+    reference = copy.deepcopy(model)
+    sharded = parity.wrap_case(model, case)
+    optim = torch.optim.AdamW(sharded.parameters(), lr=0.01)
+    assert all(r.elapsed_s is None for r in sharded.comm_ledger.records)
+    for step_index in range(2):
+        optim.zero_grad()
+        with profile.profile_step(sharded) as step:
+            loss = parity.loss_for("gpt", sharded, parity.batch_for("gpt", rank), step_index)
+            loss.backward()
+            optim.step()
+    # Step 1 uses the optional branch, so every trainable parameter has a gradient now.
+    _check_collectives(strategy, sharded, step)
+    memory = profile.memory_by_category(sharded, optim)
+    assert memory == _expected_memory(strategy, sharded, rank), memory
+    trainable = sum(p.numel() for p in reference.parameters() if p.requires_grad)
+    return {"memory": memory, "trainable": trainable, "num_steps": len(optim.state)}
+
+
+def _all_strategies(rank: int, world_size: int) -> dict[str, dict]:
+    return {s: _one_strategy(rank, world_size, s) for s in STRATEGIES}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_profile_bytes_match_layout_theory(world_size: int) -> None:
+    per_rank = run_ranks(_all_strategies, world_size)
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        results = [r[strategy] for r in per_rank]
+        trainable = results[0]["trainable"]
+        # Summed over ranks, gradients and moments cover each trainable element exactly once.
+        grads = sum(r["memory"]["grads"] for r in results)
+        moments = sum(r["memory"]["optimizer_state"] for r in results)
+        steps = sum(ADAM_STEP_BYTES * r["num_steps"] for r in results)
+        assert grads == FP32_BYTES * trainable
+        assert moments - steps == 2 * FP32_BYTES * trainable
+    no_shard = [r["NO_SHARD"]["memory"] for r in per_rank]
+    assert all(m == no_shard[0] for m in no_shard), "NO_SHARD ranks hold different state"

@@ -1,0 +1,71 @@
+"""The ledger's timing and labelling, and profile's summaries, without a process group."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwrap import profile
+from shardwrap.collectives import CommLedger, CommRecord, Communicator
+
+
+class _SlowWork:
+    """A waitable standing in for ``dist.Work``; counts its waits."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self) -> bool:
+        self.waits += 1
+        return True
+
+
+def test_group_of_one_records_and_times_nothing() -> None:
+    ledger = CommLedger(time_collectives=True)
+    ledger.record(CommRecord("all_gather", "params", 8, 2))
+    comm = Communicator(None, ledger)
+    out = torch.zeros(3)
+    comm.all_gather(out, torch.ones(3), purpose="params", unit="u").wait()
+    assert torch.equal(out, torch.ones(3))
+    assert ledger.records == [CommRecord("all_gather", "params", 8, 2)]
+
+
+def test_timed_work_notes_elapsed_on_wait() -> None:
+    ledger = CommLedger(time_collectives=True)
+    comm = Communicator(None, ledger)
+    work = _SlowWork()
+    start = comm._record("all_reduce", "grads", torch.zeros(4), unit="u")
+    waitable = comm._timed(work, start)
+    assert ledger.records[0].elapsed_s is None
+    waitable.wait()
+    assert work.waits == 1
+    record = ledger.records[0]
+    assert (record.unit, record.num_bytes) == ("u", 16)
+    assert record.elapsed_s is not None and record.elapsed_s >= 0.0
+
+
+def test_note_elapsed_after_reset_is_ignored() -> None:
+    ledger = CommLedger()
+    record = CommRecord("all_gather", "params", 8, 2)
+    ledger.record(record)
+    ledger.reset()
+    ledger.note_elapsed(record, 1.0)
+    assert ledger.records == []
+
+
+def test_summarize_groups_by_unit_kind_purpose() -> None:
+    records = [
+        CommRecord("all_gather", "params", 8, 2, "a", 0.5),
+        CommRecord("all_gather", "params", 8, 2, "a", 0.25),
+        CommRecord("reduce_scatter", "grads", 32, 2, "a", None),
+        CommRecord("all_reduce", "grad_presence", 4, 2, "", 0.125),
+    ]
+    stats = profile.summarize(records)
+    assert stats == [
+        profile.CollectiveStats("a", "all_gather", "params", 2, 16, 0.75),
+        profile.CollectiveStats("a", "reduce_scatter", "grads", 1, 32, 0.0),
+        profile.CollectiveStats(profile.SHARED_LABEL, "all_reduce", "grad_presence", 1, 4, 0.125),
+    ]
+    step = profile.StepProfile(wall_s=1.0, collectives=stats)
+    assert step.bytes("all_gather") == 16
+    assert step.by_kind()["all_reduce"] == (1, 4, 0.125)
+    assert "grad_presence" in step.table()
