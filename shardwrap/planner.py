@@ -11,14 +11,16 @@ optimizer-state tensors per trainable element (AdamW/Adam: 2, SGD with momentum:
     0      NO_SHARD        P b         0 (P c kept if c != b)       T b        k T b
     1      SHARD_OPTIM     P b / N     P c (kept between steps)     T c        k T b / N
     2      SHARD_GRAD_OP   P b / N     P c (all units, fwd to bwd)  T b / N    k T b / N
-    3      FULL_SHARD      P b / N     chain c                      T b / N    k T b / N
+    3      FULL_SHARD      P b / N     (chain + next unit) c        T b / N    k T b / N
 
 plus the model's buffers (never sharded). With one shard and no cast nothing is
 gathered: the full buffer *is* the shard. ZeRO-1 keeps full local gradients (in the
 compute dtype) from backward until the optimizer step reduces them. "chain": a unit
 stays gathered while the units inside it run (the root unit all through forward and
 backward), so the ZeRO-3 peak is the largest sum of gathered sizes along one path of
-nested units.
+nested units, plus the unit that backward prefetch (``BACKWARD_PRE``, the default)
+gathers ahead: the largest unit off that path (for a parameter count, one more largest
+unit).
 
 Not counted: activations, the transient full gradient of the unit being reduced (about
 two copies of that unit) and allocator slack. Gradients handed to the optimizer and the
@@ -117,6 +119,7 @@ def estimate_memory(
     auto_wrap_policy: Any = None,
     largest_unit_params: int | None = None,
     rank: int | None = None,
+    backward_prefetch: bool = True,
 ) -> MemoryEstimate | tuple[MemoryEstimate, ...]:
     """Bytes each rank holds, by category; see the module's note for every formula.
 
@@ -127,6 +130,8 @@ def estimate_memory(
     ``ShardedModule`` would with ``auto_wrap_policy``; meta-device modules work) or a
     parameter count (one unit unless ``largest_unit_params`` names the largest one).
     Give ``strategy`` or ``stage`` for one estimate; give neither for stages 0-3 in order.
+    ``backward_prefetch``: ``ShardedModule``'s default (``BACKWARD_PRE``) gathers the next
+    unit while one computes (ZeRO-3 holds one unit more); False for ``None``/``BACKWARD_POST``.
     ``rank``: whose shard to count (default: the most loaded rank, category by category).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -155,6 +160,7 @@ def estimate_memory(
             OPTIMIZER_STATES[optimizer],
             offload,
             rank,
+            backward_prefetch,
         )
         for member in strategies
     )
@@ -253,12 +259,25 @@ def _module_sizes(model: nn.Module, num_shards: int, auto_wrap_policy: Any) -> _
     return _ModelSizes(units, buffers)
 
 
-def _chain_numel(sizes: _ModelSizes, index: int) -> int:
-    if sizes.chain_numel is not None:
-        return sizes.chain_numel
+def _chain(sizes: _ModelSizes, index: int) -> tuple[int, frozenset[int]]:
+    """Elements of the largest path of nested units from ``index`` down, and its units."""
     unit = sizes.units[index]
-    inner = max((_chain_numel(sizes, j) for j in unit.nested), default=0)
-    return unit.layout.padded_numel + inner
+    best: tuple[int, frozenset[int]] = (0, frozenset())
+    for nested in unit.nested:
+        candidate = _chain(sizes, nested)
+        if candidate[0] > best[0]:
+            best = candidate
+    return unit.layout.padded_numel + best[0], best[1] | {index}
+
+
+def _zero3_peak(sizes: _ModelSizes, prefetch: bool) -> tuple[int, int]:
+    """(chain, the unit prefetched next to it) in elements."""
+    if sizes.chain_numel is not None:  # a parameter count: the next unit is as large
+        several = len(sizes.units) > 1
+        return sizes.chain_numel, sizes.chain_numel if prefetch and several else 0
+    chain, members = _chain(sizes, 0)
+    others = [u.layout.padded_numel for i, u in enumerate(sizes.units) if i not in members]
+    return chain, max(others, default=0) if prefetch else 0
 
 
 def _shard_numels(sizes: _ModelSizes, rank: int | None) -> tuple[int, int]:
@@ -284,12 +303,15 @@ class _Bytes:
     compute: int  # c: bytes per element of gathered parameters and local gradients
 
 
-def _gathered(sizes: _ModelSizes, strategy: ShardingStrategy, n: int, e: _Bytes):
+def _gathered(
+    sizes: _ModelSizes, strategy: ShardingStrategy, n: int, e: _Bytes, prefetch: bool
+) -> tuple[int, str]:
     if n == 1 and e.compute == e.master:
         return 0, "0 (one shard, no cast: the full buffer is the shard)"
     if strategy is ShardingStrategy.FULL_SHARD:
-        chain = _chain_numel(sizes, 0)
-        return chain * e.compute, f"chain c = {chain:,} x {e.compute}"
+        chain, ahead = _zero3_peak(sizes, prefetch)
+        formula = f"(chain + next unit) c = ({chain:,} + {ahead:,}) x {e.compute}"
+        return (chain + ahead) * e.compute, formula
     padded = sum(u.layout.padded_numel for u in sizes.units)
     return padded * e.compute, f"P c = {padded:,} x {e.compute}"
 
@@ -310,12 +332,13 @@ def _estimate_one(
     num_states: int,
     offload: str | None,
     rank: int | None,
+    prefetch: bool,
 ) -> MemoryEstimate:
     n = sizes.units[0].layout.num_shards
     trainable = sum(i.numel for u in sizes.units for i in u.layout.params if i.requires_grad)
     shard, trainable_shard = _shard_numels(sizes, rank)
     sharded_grads = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
-    gathered, gathered_formula = _gathered(sizes, strategy, n, elem)
+    gathered, gathered_formula = _gathered(sizes, strategy, n, elem, prefetch)
     grads, grads_formula = _gradients(strategy, trainable, trainable_shard, elem)
     per_tensor = trainable if n == 1 else trainable_shard
     over_n = "" if n == 1 else " / N"

@@ -32,17 +32,18 @@ def _measure(model_kind: str, stage: int, rank: int, compute_dtype) -> dict[str,
     handles = [u.handle for u in model.units if u.handle is not None]
     peak = [0]
 
-    def watch(handle):
-        unshard = handle.unshard
+    def watch(handle, method: str):
+        gather = getattr(handle, method)
 
-        def unshard_and_record():
-            unshard()
+        def gather_and_record():
+            gather()
             peak[0] = max(peak[0], sum(h.full_storage_bytes for h in handles))
 
-        handle.unshard = unshard_and_record
+        setattr(handle, method, gather_and_record)
 
     for handle in handles:
-        watch(handle)
+        watch(handle, "unshard")
+        watch(handle, "start_unshard")  # a prefetch allocates before the unit needs it
     # step 1 uses every parameter (TinyGPT's `extra` branch too)
     loss_for(model_kind, model, batch_for(model_kind, rank), step=1).backward()
     grads = [p.grad for h in handles for p in [*h.shard_params, *h.full_params] if p.grad is not None]

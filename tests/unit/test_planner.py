@@ -23,8 +23,12 @@ def test_count_formulas_per_stage():
     assert by_stage[2].bytes("gradients") == 4 * P // N
     assert by_stage[3].bytes("gathered_parameters") == 4 * P  # one unit: the whole model
     small = estimate_memory(P, world_size=N, stage=3, largest_unit_params=200_000_000)
-    assert small.bytes("gathered_parameters") == 4 * 200_000_000
-    assert small.device_bytes == 4 * P // N * 4 + 4 * 200_000_000
+    assert small.bytes("gathered_parameters") == 2 * 4 * 200_000_000  # one more prefetched
+    assert small.device_bytes == 4 * P // N * 4 + 2 * 4 * 200_000_000
+    no_prefetch = estimate_memory(
+        P, world_size=N, stage=3, largest_unit_params=200_000_000, backward_prefetch=False
+    )
+    assert no_prefetch.bytes("gathered_parameters") == 4 * 200_000_000
 
 
 def test_padding_and_dtype():
