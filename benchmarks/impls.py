@@ -161,14 +161,21 @@ def _block_policy():
     return ModuleWrapPolicy({gpt.Block})
 
 
-def _shardwrap(strategy: str):
+def _shardwrap(strategy: str, *, check_collectives: bool = False):
     def build(model: nn.Module, **_) -> ShardwrapTrainer:
         import shardwrap
         from shardwrap.policies import ModuleWrapPolicy
 
         wrapped = shardwrap.ShardedModule(
-            model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({gpt.Block})
+            model,
+            sharding_strategy=strategy,
+            auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
+            forward_prefetch=True,  # the next block's all-gather overlaps this one's forward
         )
+        # As FSDP1 and FSDP2 do: the root stays gathered from forward into backward.
+        wrapped.set_reshard_after_forward(False)
+        # The hang-diagnosis debug mode, to measure what it costs (off by default).
+        wrapped.set_collective_checks(check_collectives)
         return ShardwrapTrainer(wrapped)
 
     return build
@@ -235,6 +242,12 @@ IMPLS: dict[str, ImplSpec] = {
         ImplSpec("sw_shard_grad_op", "shardwrap", 2, _shardwrap("SHARD_GRAD_OP")),
         ImplSpec("sw_shard_optim", "shardwrap", 1, _shardwrap("SHARD_OPTIM")),
         ImplSpec("sw_no_shard", "shardwrap", 0, _shardwrap("NO_SHARD")),
+        ImplSpec(
+            "sw_full_shard_checked",
+            "shardwrap",
+            3,
+            _shardwrap("FULL_SHARD", check_collectives=True),
+        ),
         ImplSpec("fsdp1_full_shard", "fsdp1", 3, _fsdp1("FULL_SHARD")),
         ImplSpec("fsdp1_shard_grad_op", "fsdp1", 2, _fsdp1("SHARD_GRAD_OP")),
         ImplSpec("fsdp2", "fsdp2", 3, _fsdp2),

@@ -1,5 +1,6 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .engine import ShardedEngine, initialize
 from .forward_methods import register_forward_method
 from .grad_scaler import ShardedGradScaler
@@ -15,10 +16,12 @@ from .options import (
     StateDictType,
 )
 from .planner import estimate_memory
+from .pretrained import load_pretrained
 from .wrap import FullyShardedDataParallel, ShardedModule
 
 __all__ = [
     "BackwardPrefetch",
+    "CheckpointError",
     "FullStateDictConfig",
     "ShardedStateDictConfig",
     "StateDictType",
@@ -33,6 +36,9 @@ __all__ = [
     "estimate_memory",
     "hybrid_process_groups",
     "initialize",
+    "load_checkpoint",
+    "load_pretrained",
     "register_forward_method",
+    "save_checkpoint",
 ]
 __version__ = "0.1.0"

@@ -7,8 +7,14 @@ function that runs it and returns the exit code.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+
+EXIT_CODES = (
+    "exit codes: 0 success; 1 inspect found a missing or damaged file; 2 bad arguments or an "
+    "error (the message names the file or argument); 130 interrupted"
+)
 
 
 def _consolidate_args(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +42,8 @@ def _consolidate(args: argparse.Namespace) -> int:
         args.out,
         dtype=dtype,
         max_shard_size=args.max_shard_size,
-        progress=None if args.quiet else progress,
+        # A bar redrawn with carriage returns only makes sense on a terminal, not in a log.
+        progress=None if args.quiet or not sys.stderr.isatty() else progress,
     )
     print(f"wrote {', '.join(files)} to {args.out}")
     return 0
@@ -84,16 +91,32 @@ _COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardwrap", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="shardwrap", description="shardwrap offline tools")
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.epilog = EXIT_CODES
+    parser.add_argument("--version", action="version", version=f"shardwrap {_version()}")
     for name, (summary, fill, _run) in _COMMANDS.items():
-        fill(commands.add_parser(name, help=summary, description=summary))
+        fill(commands.add_parser(name, help=summary, description=summary, epilog=EXIT_CODES))
     args = parser.parse_args(argv)
     try:
         return _COMMANDS[args.command][2](args)
+    except BrokenPipeError:
+        # Whoever read our output stopped (``| head``): nothing to report. Point stdout at
+        # /dev/null so that the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by a closed pipe
+    except KeyboardInterrupt:
+        print(f"shardwrap {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"shardwrap {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -65,10 +66,12 @@ def save_checkpoint(
     back from :func:`load_checkpoint`. The checkpoint becomes visible only once complete.
     """
     root = os.fspath(path)
-    _check_json("extra", extra)
     slots = model_slots(model)
     comm = slots.world_comm
-    save_id = comm.all_gather_object(secrets.token_hex(8), purpose="checkpoint")[0]
+    opening = _guarded(lambda: {"save_id": secrets.token_hex(8), **_check_json("extra", extra)})
+    openings = comm.all_gather_object(opening, purpose="checkpoint")
+    _raise_failures("save", root, openings)
+    save_id = openings[0]["save_id"]
     report = _guarded(lambda: _write_rank_file(root, save_id, slots, optimizer))
     reports = comm.all_gather_object(report, purpose="checkpoint")
     _raise_failures("save", root, reports)
@@ -79,11 +82,12 @@ def save_checkpoint(
     _raise_failures("save", root, comm.all_gather_object(report, purpose="checkpoint"))
 
 
-def _check_json(argument: str, value: Any) -> None:
+def _check_json(argument: str, value: Any) -> dict[str, Any]:
     try:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{argument}: must be JSON-serialisable ({exc})") from exc
+    return {}
 
 
 def _guarded(action) -> dict[str, Any]:
@@ -110,7 +114,7 @@ def _write_rank_file(
         return {"file": None, "records": records}
     name = shard_file_name(save_id, slots.world_comm.rank)
     written = write_stream(os.path.join(root, name), items, {"format": "pt", "save_id": save_id})
-    entry = FileEntry(written.size, written.sha256, written.tensor_sha256)
+    entry = FileEntry(written.size, written.sha256, written.chunk_bytes, written.chunk_sha256)
     return {"file": name, "file_entry": entry.to_json(), "records": records}
 
 
@@ -150,25 +154,25 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
                     add("optim", slot.fqn, state, value, slot.start)
                 elif kind == SCALAR and is_rank0:
                     add("optim", slot.fqn, state, value, 0)
-                elif kind == VALUE and is_rank0:
-                    records.append(
-                        {"kind": "value", "name": slot.fqn, "state": state, "value": value}
-                    )
-    return items, records
+    return items, records  # JSON values of the state go into the index from rank 0's own
 
 
 def _commit_index(
     root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra: Any
 ) -> dict[str, Any]:
     """World rank 0, once every rank's file is durable: write the index, drop old files."""
-    params = _param_entries(slots, reports)
+    pieces = _collect_pieces(reports)
+    params = {
+        s.fqn: _entry(s.fqn, s.shape, dtype_name(s.dtype), pieces[("param", s.fqn, None)])
+        for s in slots.slots
+    }
     buffers = {
-        name: _entry(tuple(b.shape), dtype_name(b.dtype), _pieces(reports, "buffer", name, None))
+        name: _entry(name, tuple(b.shape), dtype_name(b.dtype), pieces[("buffer", name, None)])
         for name, b in slots.buffers.items()
     }
     optim_state = param_groups = None
     if optimizer is not None:
-        optim_state, param_groups = _optimizer_entries(slots, optimizer, reports)
+        optim_state, param_groups = _optimizer_entries(slots, optimizer, pieces)
     files = {
         r["file"]: FileEntry.from_json(r["file"], r["file_entry"]) for r in reports if r["file"]
     }
@@ -196,29 +200,27 @@ def _strategy_name(slots: ModelSlots) -> str | None:
     return handles[0].strategy.name if handles else None
 
 
-def _pieces(reports: list[dict], kind: str, name: str, state: str | None) -> list[PieceRef]:
-    return [
-        PieceRef(report["file"], rec["key"], rec["start"], rec["end"])
-        for report in reports
-        for rec in report["records"]
-        if rec["kind"] == kind and rec["name"] == name and rec["state"] == state
-    ]
+PieceMap = defaultdict[tuple[str, str, "str | None"], list[PieceRef]]
 
 
-def _entry(shape: tuple[int, ...], dtype: str, pieces: list[PieceRef]) -> TensorEntry:
+def _collect_pieces(reports: list[dict]) -> PieceMap:
+    """Every rank's saved pieces by ``(kind, name, state)``."""
+    pieces: PieceMap = defaultdict(list)
+    for report in reports:
+        for rec in report["records"]:
+            ref = PieceRef(report["file"], rec["key"], rec["start"], rec["end"])
+            pieces[(rec["kind"], rec["name"], rec["state"])].append(ref)
+    return pieces
+
+
+def _entry(name: str, shape: tuple[int, ...], dtype: str, pieces: list[PieceRef]) -> TensorEntry:
+    """An index entry; its pieces must tile the tensor (else the save is refused)."""
     entry = TensorEntry(shape, dtype, tuple(sorted(pieces, key=lambda p: p.start)))
-    check_coverage("/".join(p.key for p in pieces[:1]) or "?", entry)
+    check_coverage(name, entry)
     return entry
 
 
-def _param_entries(slots: ModelSlots, reports: list[dict]) -> dict[str, TensorEntry]:
-    return {
-        s.fqn: _entry(s.shape, dtype_name(s.dtype), _pieces(reports, "param", s.fqn, None))
-        for s in slots.slots
-    }
-
-
-def _optimizer_entries(slots: ModelSlots, optimizer, reports: list[dict]):
+def _optimizer_entries(slots: ModelSlots, optimizer, pieces: PieceMap):
     state_entries: dict[str, dict[str, Any]] = {}
     param_groups = []
     for group_index, (group, group_slots) in enumerate(
@@ -234,8 +236,9 @@ def _optimizer_entries(slots: ModelSlots, optimizer, reports: list[dict]):
                     entry: Any = {"value": value}
                 else:
                     shape = slot.shape if kind == SHARDED else ()
-                    pieces = _pieces(reports, "optim", slot.fqn, state)
-                    entry = _entry(shape, dtype_name(value.dtype), pieces)
+                    name = f"{slot.fqn}/{state}"
+                    refs = pieces[("optim", slot.fqn, state)]
+                    entry = _entry(name, shape, dtype_name(value.dtype), refs)
                 state_entries.setdefault(slot.fqn, {})[state] = entry
     return state_entries, param_groups
 

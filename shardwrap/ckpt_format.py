@@ -10,7 +10,8 @@ A checkpoint is a folder::
 Every saved tensor is a 1-D *piece*: the element range ``[start, end)`` of one original
 tensor, flattened. The index maps each original name to its global shape, dtype and the
 pieces (file, key, range) that cover it exactly once. Each file's entry carries its size,
-the sha256 of its bytes and the sha256 of every tensor in it. Nothing is pickled.
+the sha256 of its bytes and the sha256 of every fixed-size chunk of every tensor in it (a
+loading rank verifies just the chunks it reads). Nothing is pickled.
 
 A save writes every file under a temporary name, fsyncs it and renames it; only once all
 ranks' files are durable does rank 0 write the index the same way. A folder whose index
@@ -37,6 +38,8 @@ FORMAT_NAME = "shardwrap-checkpoint"
 FORMAT_VERSION = 1
 SHARD_FILE_PATTERN = re.compile(r"^[0-9a-f]{16}-rank\d{5}\.safetensors$")
 TEMP_SUFFIX = ".tmp"
+DEFAULT_CHUNK_BYTES = 1 << 22  # 4 MiB: the unit of checksum verification on load
+MAX_ITEMSIZE = 8  # chunks hold whole elements of every supported dtype
 
 _DTYPES = {
     "float64": torch.float64,
@@ -73,10 +76,18 @@ def shard_file_name(save_id: str, world_rank: int) -> str:
     return f"{save_id}-rank{world_rank:05d}.safetensors"
 
 
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (row-major, native little-endian)."""
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+def chunk_digests(data: memoryview, chunk_bytes: int) -> list[str]:
+    """sha256 of each ``chunk_bytes``-sized chunk of ``data`` (the last may be shorter)."""
+    return [
+        hashlib.sha256(data[start : start + chunk_bytes]).hexdigest()
+        for start in range(0, len(data), chunk_bytes)
+    ]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes (row-major, native little-endian), without a copy when contiguous."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
 
 
 # ------------------------------------------------------------------- index records
@@ -147,21 +158,38 @@ def check_coverage(name: str, entry: TensorEntry) -> None:
 
 @dataclass(frozen=True, slots=True)
 class FileEntry:
-    """One safetensors file of the checkpoint and its checksums."""
+    """One safetensors file of the checkpoint and its checksums.
+
+    Each tensor's bytes are hashed in chunks of ``chunk_bytes``, so that a rank reading a
+    range verifies only the chunks it reads; ``sha256`` covers the whole file (inspect).
+    """
 
     size: int
     sha256: str
-    tensor_sha256: dict[str, str]
+    chunk_bytes: int
+    chunk_sha256: dict[str, list[str]]  # tensor key -> digests of its chunks
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "sha256": self.sha256, "tensors": self.tensor_sha256}
+        return {
+            "size": self.size,
+            "sha256": self.sha256,
+            "chunk_bytes": self.chunk_bytes,
+            "tensors": self.chunk_sha256,
+        }
 
     @staticmethod
     def from_json(name: str, raw: Any) -> FileEntry:
         try:
-            return FileEntry(int(raw["size"]), str(raw["sha256"]), dict(raw["tensors"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            chunks = {str(k): [str(d) for d in v] for k, v in raw["tensors"].items()}
+            entry = FileEntry(int(raw["size"]), str(raw["sha256"]), int(raw["chunk_bytes"]), chunks)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"index entry for file {name!r} is malformed: {exc!r}") from exc
+        if entry.chunk_bytes <= 0 or entry.chunk_bytes % MAX_ITEMSIZE:
+            raise CheckpointError(
+                f"index entry for file {name!r}: chunk_bytes {entry.chunk_bytes} is not a "
+                f"positive multiple of {MAX_ITEMSIZE}"
+            )
+        return entry
 
 
 # ------------------------------------------------------------------------ paths

@@ -18,10 +18,11 @@ from safetensors import safe_open
 from .ckpt_format import (
     CheckpointError,
     CheckpointIndex,
+    PieceRef,
     TensorEntry,
     dtype_from_name,
     member_path,
-    tensor_sha256,
+    tensor_bytes,
 )
 
 
@@ -35,7 +36,7 @@ class CheckpointReader:
         # streaming reader (consolidation) drops each file after each piece instead.
         self.keep_files_open = keep_files_open
         self._open: dict[str, Any] = {}  # file name -> safe_open handle
-        self._verified: set[tuple[str, str]] = set()  # (file, key) whose checksum matched
+        self._verified: set[tuple[str, str, int]] = set()  # (file, key, chunk) checked
 
     def close(self) -> None:
         self._open.clear()
@@ -53,63 +54,82 @@ class CheckpointReader:
                 f"tensor {name!r}: range [{start}, {end}) outside its {entry.numel} elements"
             )
         dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
+        overlapping = [p for p in entry.pieces if min(end, p.end) > max(start, p.start)]
+        if len(overlapping) == 1:  # the common case: no extra copy
+            piece = overlapping[0]
+            return self._piece_range(name, piece, start - piece.start, end - piece.start, dtype)
         out = torch.empty(end - start, dtype=dtype)
-        for piece in entry.pieces:
+        for piece in overlapping:
             lo, hi = max(start, piece.start), min(end, piece.end)
-            if hi <= lo:
-                continue
-            data = self._piece(name, piece.file, piece.key, piece.end - piece.start, dtype)
-            out[lo - start : hi - start].copy_(data[lo - piece.start : hi - piece.start])
+            data = self._piece_range(name, piece, lo - piece.start, hi - piece.start, dtype)
+            out[lo - start : hi - start].copy_(data)
         return out
 
     def read_full(self, name: str, entry: TensorEntry) -> torch.Tensor:
         return self.read_range(name, entry, 0, entry.numel).view(entry.shape)
 
-    def _piece(
-        self, name: str, file: str, key: str, numel: int, dtype: torch.dtype
+    def _piece_range(
+        self, name: str, piece: PieceRef, first: int, last: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        handle = self._handle(file, name)
-        where = f"checkpoint {self.root}: file {file!r}, tensor {name!r} (key {key!r})"
+        """Elements ``[first, last)`` of a stored piece, reading and verifying whole chunks."""
+        where = f"checkpoint {self.root}: file {piece.file!r}, tensor {name!r} (key {piece.key!r})"
+        file_entry = self.index.files[piece.file]
+        digests = file_entry.chunk_sha256.get(piece.key)
+        numel = piece.end - piece.start
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_chunk = file_entry.chunk_bytes // itemsize
+        if digests is None or len(digests) != -(-numel // per_chunk):
+            raise CheckpointError(f"{where}: the index lacks its checksums")
+        first_chunk, end_chunk = first // per_chunk, -(-last // per_chunk)
+        lo, hi = first_chunk * per_chunk, min(numel, end_chunk * per_chunk)
+        data = self._read_slice(where, piece, lo, hi, numel, dtype)
+        raw = tensor_bytes(data)
+        for chunk in range(first_chunk, end_chunk):
+            if (piece.file, piece.key, chunk) in self._verified:
+                continue
+            size = file_entry.chunk_bytes
+            offset = (chunk - first_chunk) * size
+            actual = hashlib.sha256(raw[offset : offset + size]).hexdigest()
+            if actual != digests[chunk]:
+                raise CheckpointError(
+                    f"{where}: checksum mismatch in bytes {chunk * size}..{(chunk + 1) * size} "
+                    "of the tensor (the file is corrupt)"
+                )
+            self._verified.add((piece.file, piece.key, chunk))
+        return data[first - lo : last - lo]
+
+    def _read_slice(self, where: str, piece: PieceRef, lo: int, hi: int, numel: int, dtype):
+        handle = self._handle(piece.file, where)
         try:
-            data = handle.get_tensor(key)
+            view = handle.get_slice(piece.key)
+            shape = list(view.get_shape())
+            data = view[lo:hi] if shape == [numel] else None
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"{where}: cannot be read ({exc})") from exc
-        if data.dtype != dtype or data.dim() != 1 or data.numel() != numel:
+        if data is None or data.dtype != dtype:
+            stored = data.dtype if data is not None else view.get_dtype()
             raise CheckpointError(
-                f"{where}: stored as {data.dtype} {tuple(data.shape)}, the index says "
-                f"{dtype} ({numel},)"
+                f"{where}: stored as {stored} {shape}, the index says {dtype} [{numel}]"
             )
-        if (file, key) not in self._verified:
-            expected = self.index.files[file].tensor_sha256.get(key)
-            if expected is None:
-                raise CheckpointError(f"{where}: no checksum in the index")
-            if tensor_sha256(data) != expected:
-                raise CheckpointError(f"{where}: checksum mismatch (the file is corrupt)")
-            self._verified.add((file, key))
         return data
 
-    def _handle(self, file: str, name: str):
+    def _handle(self, file: str, where: str):
         if file in self._open:
             return self._open[file]
         path = member_path(self.root, file)
         expected = self.index.files[file]
         if not os.path.exists(path):
-            raise CheckpointError(
-                f"checkpoint {self.root}: file {file!r} (holding tensor {name!r}) is missing"
-            )
+            raise CheckpointError(f"{where}: the file is missing")
         size = os.path.getsize(path)
         if size != expected.size:
             raise CheckpointError(
-                f"checkpoint {self.root}: file {file!r} (holding tensor {name!r}) has {size} "
-                f"bytes, the index says {expected.size} (truncated or replaced)"
+                f"{where}: the file has {size} bytes, the index says {expected.size} "
+                "(truncated or replaced)"
             )
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as exc:
-            raise CheckpointError(
-                f"checkpoint {self.root}: file {file!r} (holding tensor {name!r}) is not a "
-                f"readable safetensors file ({exc})"
-            ) from exc
+            raise CheckpointError(f"{where}: not a readable safetensors file ({exc})") from exc
         if self.keep_files_open:
             self._open[file] = handle
         return handle

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ckpt_format import TEMP_SUFFIX, fsync_dir
+from .ckpt_format import DEFAULT_CHUNK_BYTES, TEMP_SUFFIX, chunk_digests, fsync_dir, tensor_bytes
 
 _CODES = {
     torch.float64: "F64",
@@ -55,7 +55,8 @@ class StreamItem:
 class WrittenFile:
     size: int
     sha256: str
-    tensor_sha256: dict[str, str]
+    chunk_bytes: int
+    chunk_sha256: dict[str, list[str]]  # tensor key -> digests of its chunks
 
 
 def header_bytes(items: list[StreamItem], metadata: dict[str, str] | None) -> bytes:
@@ -78,13 +79,17 @@ def header_bytes(items: list[StreamItem], metadata: dict[str, str] | None) -> by
 
 
 def write_stream(
-    path: str, items: list[StreamItem], metadata: dict[str, str] | None = None
+    path: str,
+    items: list[StreamItem],
+    metadata: dict[str, str] | None = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> WrittenFile:
     """Write ``items`` to ``path`` under a temporary name, fsync, rename into place."""
     folder, name = os.path.split(path)
     temp = os.path.join(folder, f".{name}{TEMP_SUFFIX}")
     file_digest = hashlib.sha256()
-    tensor_digests: dict[str, str] = {}
+    tensor_digests: dict[str, list[str]] = {}
     head = header_bytes(items, metadata)
     size = len(head)
     with open(temp, "wb") as handle:
@@ -92,7 +97,7 @@ def write_stream(
         file_digest.update(head)
         for item in items:
             data = _raw_bytes(item)
-            tensor_digests[item.key] = hashlib.sha256(data).hexdigest()
+            tensor_digests[item.key] = chunk_digests(data, chunk_bytes)
             file_digest.update(data)
             handle.write(data)
             size += len(data)
@@ -100,7 +105,7 @@ def write_stream(
         os.fsync(handle.fileno())
     os.replace(temp, path)
     fsync_dir(folder or ".")
-    return WrittenFile(size, file_digest.hexdigest(), tensor_digests)
+    return WrittenFile(size, file_digest.hexdigest(), chunk_bytes, tensor_digests)
 
 
 def _raw_bytes(item: StreamItem) -> memoryview:
@@ -110,5 +115,4 @@ def _raw_bytes(item: StreamItem) -> memoryview:
             f"tensor {item.key!r}: produced {tensor.dtype} {tuple(tensor.shape)}, announced "
             f"{item.dtype} {item.shape}"
         )
-    flat = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return tensor_bytes(tensor)

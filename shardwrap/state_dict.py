@@ -13,6 +13,7 @@ Optimizer state dicts follow FSDP's ``optim_state_dict`` form: keyed by paramete
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,15 +50,24 @@ def set_state_dict_type(
     expected = (
         FullStateDictConfig if kind is StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
     )
-    config = expected() if state_dict_config is None else state_dict_config
-    if not isinstance(config, expected):
-        raise TypeError(
-            f"state_dict_config: {kind.name} takes {expected.__name__}, got {type(config).__name__}"
-        )
+    config = _as_config(expected, kind, state_dict_config)
     previous = get_state_dict_type(module)
     for root in _roots(module):
         _SETTINGS[root] = StateDictSettings(kind, config)
     return previous
+
+
+def _as_config(expected: type, kind: StateDictType, config: Any):
+    """Our config record; torch's record of the same name is converted field by field."""
+    if config is None:
+        return expected()
+    if isinstance(config, expected):
+        return config
+    if type(config).__name__ == expected.__name__:
+        return expected(**{f.name: getattr(config, f.name) for f in dataclasses.fields(expected)})
+    raise TypeError(
+        f"state_dict_config: {kind.name} takes {expected.__name__}, got {type(config).__name__}"
+    )
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
@@ -88,8 +98,11 @@ def module_state_dict(model: nn.Module, *, destination=None, prefix: str = "") -
     settings = get_state_dict_type(model)
     slots = model_slots(model)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
-    values = _full_params(slots) if full else {s.fqn: s.local.detach() for s in slots.slots}
     skip = full and settings.state_dict_config.rank0_only and slots.world_comm.rank != 0
+    if full:
+        values = _full_params(slots, keep=not skip)
+    else:
+        values = {s.fqn: s.local.detach() for s in slots.slots}
     result = {} if destination is None else destination
     if skip:
         return result
@@ -113,11 +126,12 @@ def gather_flat(handle: FlatParamHandle, local_flat: torch.Tensor, purpose: str)
     return full
 
 
-def _full_params(slots: ModelSlots) -> dict[str, torch.Tensor]:
+def _full_params(slots: ModelSlots, *, keep: bool) -> dict[str, torch.Tensor]:
+    """Whole parameters, one unit gathered at a time (``keep=False``: only take part)."""
     result: dict[str, torch.Tensor] = {}
     for handle in _handles(slots):
         flat_full = gather_flat(handle, handle.flat_shard.detach(), "state_dict")
-        for info in handle.layout.params:
+        for info in handle.layout.params if keep else ():
             result[info.fqn] = flat_full[info.offset : info.end].clone().view(info.shape)
         del flat_full  # one unit at a time
     for slot in slots.slots:

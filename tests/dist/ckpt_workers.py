@@ -178,9 +178,9 @@ def _die_halfway(path, items, metadata=None):
 
 
 def crash_phase(rank: int, world_size: int, load_from: str, save_to: str, snapshot) -> None:
-    """Load, train, then save with rank 1 killed while writing its file."""
+    """Load (into SHARD_GRAD_OP), train, then save with rank 1 killed while writing."""
     torch.manual_seed(5)
-    sharded = wrap(models.TinyGPT(), world_size, "FULL_SHARD")
+    sharded = wrap(models.TinyGPT(), world_size, "SHARD_GRAD_OP")
     optim = parity.make_optimizer(sharded, "adamw")
     load_checkpoint(load_from, sharded, optim)
     check_equals_snapshot(sharded, optim, convert(snapshot, torch.from_numpy))
@@ -191,12 +191,12 @@ def crash_phase(rank: int, world_size: int, load_from: str, save_to: str, snapsh
     save_checkpoint(save_to, sharded, optim, extra={"step": 99})
 
 
-def load_outcomes(rank: int, world_size: int, paths: list[str], snapshot) -> list[str]:
+def load_outcomes(rank: int, world_size: int, strategy: str, paths: list[str], snapshot):
     """Try to load each of ``paths``; 'ok' after checking against ``snapshot``, else the error."""
     outcomes = []
     for path in paths:
         torch.manual_seed(11)
-        sharded = wrap(models.TinyGPT(), world_size, "FULL_SHARD")
+        sharded = wrap(models.TinyGPT(), world_size, strategy)
         optim = parity.make_optimizer(sharded, "adamw")
         try:
             load_checkpoint(path, sharded, optim)

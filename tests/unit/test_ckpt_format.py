@@ -87,13 +87,13 @@ def test_member_path_refuses_a_symlink_out_of_the_folder(tmp_path):
     assert member_path(str(tmp_path / "ckpt"), "ok.safetensors").endswith("ok.safetensors")
 
 
-def _one_file_checkpoint(root: str, tensor: torch.Tensor) -> CheckpointIndex:
+def _one_file_checkpoint(root: str, tensor: torch.Tensor, chunk_bytes: int = 1 << 22):
     """A checkpoint of one parameter ``w`` split over two pieces in one file."""
     half = tensor.numel() // 2
     flat = tensor.reshape(-1)
     name = "0123456789abcdef-rank00000.safetensors"
     items = _items({"param/w/0": flat[:half].clone(), "param/w/1": flat[half:].clone()})
-    written = write_stream(os.path.join(root, name), items)
+    written = write_stream(os.path.join(root, name), items, chunk_bytes=chunk_bytes)
     pieces = (
         PieceRef(name, "param/w/0", 0, half),
         PieceRef(name, "param/w/1", half, flat.numel()),
@@ -105,7 +105,7 @@ def _one_file_checkpoint(root: str, tensor: torch.Tensor) -> CheckpointIndex:
         buffers={},
         optim_state=None,
         param_groups=None,
-        files={name: FileEntry(written.size, written.sha256, written.tensor_sha256)},
+        files={name: FileEntry(written.size, written.sha256, chunk_bytes, written.chunk_sha256)},
         extra={"step": 3},
     )
     write_atomic(root, INDEX_NAME, index_bytes(index))
@@ -141,6 +141,24 @@ def test_reader_names_file_and_tensor_of_a_flipped_byte(tmp_path):
         reader.read_range("w", entry, 0, 15)  # the first piece is intact
         with pytest.raises(CheckpointError, match=rf"{path.name}.*'w'.*checksum mismatch"):
             reader.read_range("w", entry, 14, 16)
+
+
+def test_reader_verifies_only_the_chunks_it_reads(tmp_path):
+    tensor = torch.randn(6, 5)  # pieces of 15 elements; chunks of 4 elements (16 bytes)
+    _one_file_checkpoint(str(tmp_path), tensor, chunk_bytes=16)
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".safetensors"]
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 0x01  # second piece: element 15 - 8 = 7 of 15 (chunk 1, bytes 16..32)
+    path.write_bytes(bytes(data))
+    index = read_index(str(tmp_path))
+    flat = tensor.reshape(-1)
+    with CheckpointReader(str(tmp_path), index) as reader:
+        entry = index.params["w"]
+        for lo, hi in ((0, 19), (23, 27), (27, 30)):  # chunks 0, 2 and 3 are intact
+            got = reader.read_range("w", entry, lo, hi)
+            torch.testing.assert_close(got, flat[lo:hi], rtol=0, atol=0)
+        with pytest.raises(CheckpointError, match=r"'w'.*checksum mismatch in bytes 16..32 of"):
+            reader.read_range("w", entry, 22, 24)
 
 
 def test_reader_reports_a_truncated_file(tmp_path):

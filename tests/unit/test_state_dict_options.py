@@ -34,6 +34,13 @@ def test_one_rank_state_dicts_equal_the_unwrapped_models(one_rank):
         ShardedModule.set_state_dict_type(
             sharded, StateDictType.FULL_STATE_DICT, ShardedStateDictConfig()
         )
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    with ShardedModule.state_dict_type(
+        sharded, fsdp.StateDictType.FULL_STATE_DICT, fsdp.FullStateDictConfig(rank0_only=True)
+    ):
+        settings = ShardedModule.get_state_dict_type(sharded)
+        assert settings.state_dict_config == FullStateDictConfig(rank0_only=True)
+    assert ShardedModule.get_state_dict_type(sharded).state_dict_config == FullStateDictConfig()
     ours = sharded.state_dict()
     assert list(ours) == list(plain.state_dict())
     for key, value in plain.state_dict().items():
