@@ -1,18 +1,21 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .engine import ShardedEngine, initialize
 from .forward_methods import register_forward_method
 from .grad_scaler import ShardedGradScaler
 from .groups import hybrid_process_groups
 from .options import (
     BackwardPrefetch,
     CPUOffload,
+    DiskOffload,
     FullStateDictConfig,
     MixedPrecision,
     ShardedStateDictConfig,
     ShardingStrategy,
     StateDictType,
 )
+from .planner import estimate_memory
 from .pretrained import load_pretrained
 from .wrap import FullyShardedDataParallel, ShardedModule
 
@@ -23,12 +26,16 @@ __all__ = [
     "ShardedStateDictConfig",
     "StateDictType",
     "CPUOffload",
+    "DiskOffload",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "ShardedEngine",
     "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
+    "estimate_memory",
     "hybrid_process_groups",
+    "initialize",
     "load_checkpoint",
     "load_pretrained",
     "register_forward_method",

@@ -1,4 +1,4 @@
-"""``python -m shardwrap`` (or the ``shardwrap`` script): offline checkpoint tools.
+"""``python -m shardwrap`` (or the ``shardwrap`` script): offline checkpoint and planning tools.
 
 Subcommands live in ``_COMMANDS``; add one with a function that fills its parser and a
 function that runs it and returns the exit code.
@@ -63,6 +63,18 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _estimate_args(parser: argparse.ArgumentParser) -> None:
+    from .cli_estimate import add_arguments
+
+    add_arguments(parser)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from .cli_estimate import run
+
+    return run(args)
+
+
 _COMMANDS = {
     "consolidate": (
         "write a checkpoint's model as Hugging Face safetensors",
@@ -70,6 +82,11 @@ _COMMANDS = {
         _consolidate,
     ),
     "inspect": ("summarise a checkpoint and verify its checksums", _inspect_args, _inspect),
+    "estimate": (
+        "per-rank memory for ZeRO stages 0-3, with formulas (and the stage that fits)",
+        _estimate_args,
+        _estimate,
+    ),
 }
 
 

@@ -28,6 +28,7 @@ bumps the counter it shares with ``flat_shard``.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,9 @@ from .collectives import ROOT_LABEL, Communicator
 from .layout import FlatLayout
 from .mixed_precision import HandlePrecision
 from .options import ShardingStrategy
+
+# (unit name, number of elements, dtype) -> a 1-D tensor to hold the unit's shard.
+ShardAllocator = Callable[[str, int, torch.dtype], torch.Tensor]
 
 
 class ShardedState(enum.Enum):
@@ -85,6 +89,7 @@ class FlatParamHandle:
         replicate_comm: Communicator | None,
         strategy: ShardingStrategy,
         precision: HandlePrecision | None = None,
+        shard_allocator: ShardAllocator | None = None,
     ) -> None:
         _check_uniform(unit_name, layout, params)
         self.unit_name = unit_name
@@ -109,6 +114,12 @@ class FlatParamHandle:
         self.pieces = layout.pieces(shard_comm.rank)  # this rank's piece of each parameter
         # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
         self.flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
+        if shard_allocator is not None:  # the shard lives elsewhere (DiskOffload: a mapped file)
+            placed = shard_allocator(unit_name, layout.shard_numel, dtype)
+            with torch.no_grad():
+                placed.copy_(self.flat_shard)
+            self.flat_shard = placed
+            flat_init = placed if self.num_shards == 1 else flat_init
         # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
         self.flat_full = (
             flat_init  # released by the reshard below when separate_full

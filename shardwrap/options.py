@@ -209,3 +209,18 @@ class ShardedStateDictConfig:
 
     def __post_init__(self) -> None:
         _check_bools(self, "offload_to_cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskOffload:
+    """Keep fp32 master shards and Adam/AdamW state in memory-mapped files under ``path``.
+
+    Pass it as ``ShardedModule(..., cpu_offload=DiskOffload(path))``; see
+    :mod:`shardwrap.offload`. ``path`` must be an existing, writable directory.
+    """
+
+    path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise TypeError(f"DiskOffload: path must be a non-empty str, got {self.path!r}")

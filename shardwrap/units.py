@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .collectives import Communicator
-from .flat_param import FlatParamHandle, ParamSite
+from .flat_param import FlatParamHandle, ParamSite, ShardAllocator
 from .hooks import Unit
 from .layout import FlatLayout
 from .mixed_precision import handle_precision
@@ -82,6 +82,7 @@ def build_unit(
     replicate_comm: Communicator | None,
     strategy: ShardingStrategy,
     mixed_precision: MixedPrecision | None = None,
+    shard_allocator: ShardAllocator | None = None,
 ) -> Unit:
     """Flatten ``records`` into one handle (none if empty) and make the unit."""
     handle = None
@@ -99,5 +100,6 @@ def build_unit(
             replicate_comm=replicate_comm,
             strategy=strategy,
             precision=handle_precision(mixed_precision, records[0].param.dtype),
+            shard_allocator=shard_allocator,
         )
     return Unit(name=name, module=module, handle=handle, strategy=strategy)

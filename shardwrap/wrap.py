@@ -17,7 +17,14 @@ from .collectives import CollectiveChecker, CommLedger, Communicator
 from .deferred_init import UnitMaterializer, has_meta
 from .groups import resolve_groups
 from .hooks import Unit
-from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .offload import DiskStore
+from .options import (
+    BackwardPrefetch,
+    CPUOffload,
+    DiskOffload,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -92,6 +99,11 @@ class ShardedModule(nn.Module):
         sync_module_states = _check_bool("sync_module_states", sync_module_states)
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
         _check_unsupported(cpu_offload, module)
+        self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
+            DiskStore(cpu_offload.path, collectives.world_rank())
+            if isinstance(cpu_offload, DiskOffload)
+            else None
+        )
         policy = as_policy(auto_wrap_policy)
         ignored = _ignored_modules(ignored_modules, ignored_states, module)
         groups = resolve_groups(self.sharding_strategy, process_group, device_mesh)
@@ -137,9 +149,12 @@ class ShardedModule(nn.Module):
             strategy=self.sharding_strategy,
             mixed_precision=self.mixed_precision,
             full_precision=full_precision,
+            shard_allocator=self.disk_store.allocate if self.disk_store else None,
         )
         if deferred or sync_module_states:
             materializer.finish(module, ignored)
+        if self.disk_store is not None:
+            self.disk_store.attach(u.handle for u in new_units)
         self.module = module
         self._units: list[Unit] = new_units + list(absorbed)
         for unit in self._units:
@@ -345,6 +360,7 @@ def _build_units(
     strategy: ShardingStrategy,
     mixed_precision: MixedPrecision | None,
     full_precision: list[nn.Module],
+    shard_allocator=None,
 ) -> list[Unit]:
     """One unit per module, root first; materialise each right before it is sharded.
 
@@ -367,6 +383,7 @@ def _build_units(
                 replicate_comm=replicate_comm,
                 strategy=strategy,
                 mixed_precision=None if module in full_precision else mixed_precision,
+                shard_allocator=shard_allocator,
             )
         )
         del records
@@ -382,9 +399,15 @@ def _full_precision_units(
 
 def _check_unsupported(cpu_offload: Any, module: nn.Module) -> None:
     if cpu_offload is not None:
-        if not isinstance(cpu_offload, CPUOffload):
-            raise TypeError(f"cpu_offload: expected CPUOffload, got {type(cpu_offload).__name__}")
+        if not isinstance(cpu_offload, (CPUOffload, DiskOffload)):
+            raise TypeError(
+                f"cpu_offload: expected CPUOffload or DiskOffload, got {type(cpu_offload).__name__}"
+            )
         on_accelerator = any(p.device.type not in ("cpu", "meta") for p in module.parameters())
+        if isinstance(cpu_offload, DiskOffload):
+            if on_accelerator:
+                raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
+            return
         if cpu_offload.offload_params and on_accelerator:
             raise ValueError("cpu_offload: offloading accelerator parameters is not supported yet")
 

@@ -1,0 +1,156 @@
+"""Disk offload: a unit's master shard and its Adam state in memory-mapped files.
+
+[Note: scratch files that cannot outlive the run]
+Each rank makes a private directory under the offload path and, for every buffer, a file
+that is mapped (``torch.from_file(..., shared=True)``) and unlinked at once: the mapping
+keeps the data, the kernel writes dirty pages back to the file and may evict them, and
+no file is left behind even when the process is killed. The directory itself is removed
+when the store is collected or at interpreter exit (only an empty directory can survive
+a crash). The files are scratch: checkpoints, not these files, are the durable state.
+
+[Note: optimizer state on disk]
+torch's Adam/AdamW create their state lazily (zeros and a step counter) on the first
+step. A step pre-hook fills that state beforehand with views into one mapped buffer per
+unit and state name, laid out like the shard, so the optimizer computes exactly what it
+would in memory. Other optimizers' state would stay in memory, so they are refused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .flat_param import FlatParamHandle
+
+_ADAM_STATES = ("exp_avg", "exp_avg_sq")
+_LIVE_DIRECTORIES: set[str] = set()
+
+
+def _remove_directory(directory: str) -> None:
+    _LIVE_DIRECTORIES.discard(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@atexit.register
+def _remove_all() -> None:
+    for directory in list(_LIVE_DIRECTORIES):
+        _remove_directory(directory)
+
+
+def check_offload_path(path: str) -> None:
+    """A clear error unless ``path`` is an existing directory this process can write to."""
+    if not os.path.exists(path):
+        raise ValueError(f"DiskOffload: path {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"DiskOffload: path {path!r} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(f"DiskOffload: cannot write to {path!r} ({error.strerror})") from None
+
+
+class DiskStore:
+    """One rank's mapped buffers for one ``ShardedModule``."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        check_offload_path(path)
+        self.directory = tempfile.mkdtemp(prefix=f"shardwrap-rank{rank}-", dir=path)
+        _LIVE_DIRECTORIES.add(self.directory)
+        self._counter = itertools.count()
+        self.handles: list[FlatParamHandle] = []
+        self.num_bytes = 0  # bytes mapped so far
+        # One mapped buffer per (handle, Adam state name), laid out like the shard.
+        self._state_buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._hook = None
+        self._finalizer = weakref.finalize(self, _remove_directory, self.directory)
+
+    def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled 1-D tensor backed by a mapped (already unlinked) file."""
+        if numel == 0:
+            return torch.zeros(0, dtype=dtype)
+        safe = "".join(c if c.isalnum() else "_" for c in name)[:60] or "root"
+        filename = os.path.join(self.directory, f"{next(self._counter)}-{safe}.bin")
+        tensor = torch.from_file(filename, shared=True, size=numel, dtype=dtype)
+        os.unlink(filename)
+        self.num_bytes += numel * tensor.element_size()
+        return tensor
+
+    def attach(self, handles: Iterable[FlatParamHandle | None]) -> None:
+        """Watch every optimizer step: state for these handles' shards goes on disk."""
+        self.handles = [h for h in handles if h is not None]
+        ref = weakref.ref(self)
+
+        def before_step(optimizer, args, kwargs):
+            store = ref()
+            if store is not None:
+                store.place_state(optimizer)
+
+        self._hook = register_optimizer_step_pre_hook(before_step)
+        self._finalizer = weakref.finalize(self, _detach, self._hook, self.directory)
+
+    def place_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put Adam/AdamW state of our shards in mapped buffers (new, or loaded into memory)."""
+        mine = {id(p): (h, i) for h in self.handles for i, p in enumerate(h.shard_params)}
+        ours = [(g, p) for g in optimizer.param_groups for p in g["params"] if id(p) in mine]
+        if not ours:
+            return
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            raise ValueError(
+                f"DiskOffload: keeps optimizer state on disk for Adam and AdamW only, got "
+                f"{type(optimizer).__name__}"
+            )
+        for group, param in ours:
+            handle, index = mine[id(param)]
+            names = _ADAM_STATES + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+            state = optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+            for name in names:
+                current = state.get(name)
+                if current is not None and is_file_backed(current):
+                    continue
+                # A fresh state, or one optimizer.load_state_dict put back in memory.
+                placed = _shard_view(handle, index, self._state_buffer(handle, name))
+                with torch.no_grad():
+                    placed.copy_(current if current is not None else torch.zeros(()))
+                state[name] = placed
+
+    def _state_buffer(self, handle: FlatParamHandle, name: str) -> torch.Tensor:
+        key = (id(handle), name)
+        if key not in self._state_buffers:
+            numel = handle.layout.shard_numel
+            self._state_buffers[key] = self.allocate(
+                f"{handle.unit_name}.{name}", numel, handle.dtype
+            )
+        return self._state_buffers[key]
+
+
+def _detach(hook, directory: str) -> None:
+    hook.remove()
+    _remove_directory(directory)
+
+
+def _shard_view(handle: FlatParamHandle, index: int, flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (laid out like the shard) viewed as shard parameter ``index``."""
+    info = handle.layout.params[index]
+    if handle.num_shards == 1:
+        return flat[info.offset : info.end].view(info.shape)
+    piece = handle.layout.pieces(handle.shard_comm.rank)[index]
+    return flat[piece.shard_start : piece.shard_end]
+
+
+def is_file_backed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is a mapped file (for tests and reports)."""
+    return tensor.untyped_storage().filename is not None
+
+
+__all__ = ["DiskStore", "check_offload_path", "is_file_backed"]

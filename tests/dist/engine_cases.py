@@ -1,0 +1,273 @@
+"""Train through ``shardwrap.initialize`` and, side by side, a single-process reference."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import shardwrap
+from shardwrap.lr_schedules import WarmupLR
+from tests import models
+from shardwrap.planner import STAGE_STRATEGIES
+from shardwrap.runtime import reduce_deferred_grads_for
+from tests.dist.parity import build_model, check_shards, concat, wrap_policy
+
+LR = 0.01
+WARMUP = {"warmup_max_lr": LR, "warmup_num_steps": 3, "warmup_type": "linear"}
+MICRO_BATCH = 2
+
+
+def ds_config(stage: int, accumulation: int, clipping: float) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clipping,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": WARMUP},
+    }
+
+
+def micro_batches(step: int, world_size: int, accumulation: int) -> dict:
+    """``{(rank, micro_step): batch}`` for one optimizer step."""
+    return {
+        (r, m): models.gpt_batch(1000 * step + 10 * m + r, batch=MICRO_BATCH)
+        for r in range(world_size)
+        for m in range(accumulation)
+    }
+
+
+class Reference:
+    """The unsharded model, stepped once per engine step on the whole effective batch."""
+
+    def __init__(self, model: torch.nn.Module, clipping: float) -> None:
+        self.model = model
+        self.clipping = clipping
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=LR, weight_decay=0.1)
+        self.scheduler = WarmupLR(self.optimizer, **WARMUP)
+
+    def step(self, step: int, world_size: int, accumulation: int) -> float:
+        batches = micro_batches(step, world_size, accumulation)
+        order = [batches[(r, m)] for m in range(accumulation) for r in range(world_size)]
+        models.gpt_loss(self.model, concat(order), use_extra=step % 2 == 1).backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.clipping or float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return float(norm)
+
+
+def engine_step(engine, rank: int, step: int, world_size: int, accumulation: int) -> None:
+    batches = micro_batches(step, world_size, accumulation)
+    for m in range(accumulation):
+        assert engine.is_gradient_accumulation_boundary() == (m == accumulation - 1)
+        loss = models.gpt_loss(engine, batches[(rank, m)], use_extra=step % 2 == 1)
+        engine.backward(loss)
+        engine.step()
+    assert engine.global_steps == step + 1
+
+
+def make_engine(model, stage: int, accumulation: int, clipping: float, **precision):
+    engine, _, _, _ = shardwrap.initialize(
+        model=model,
+        config={**ds_config(stage, accumulation, clipping), **precision},
+        auto_wrap_policy=wrap_policy("gpt"),
+    )
+    return engine
+
+
+def train_engine_and_reference(
+    rank: int,
+    world_size: int,
+    *,
+    stage: int,
+    accumulation: int,
+    clipping: float,
+    exact: bool = False,
+    num_steps: int = 3,
+) -> list[float]:
+    """Engine steps against a reference that sees the whole effective batch at once.
+
+    Returns the reference's gradient norms (before clipping), one per step.
+    """
+    model = build_model("gpt")
+    reference = Reference(copy.deepcopy(model), clipping)
+    engine = make_engine(model, stage, accumulation, clipping)
+    norms = []
+    for step in range(num_steps):
+        norms.append(reference.step(step, world_size, accumulation))
+        engine_step(engine, rank, step, world_size, accumulation)
+        assert engine.get_lr() == reference.scheduler.get_last_lr()
+        check_shards(engine.module, reference.model, exact)
+    return norms
+
+
+def train_with_client_optimizer(rank: int, world_size: int) -> None:
+    """An SGD built over ``model.parameters()`` before ``initialize`` (DeepSpeed's habit)."""
+    model = build_model("mlp")
+    reference = copy.deepcopy(model)
+    client = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    config = {"train_batch_size": 4 * world_size, "zero_optimization": {"stage": 1}}
+    engine, optim, _, scheduler = shardwrap.initialize(
+        model=model, optimizer=client, config=config, auto_wrap_policy=wrap_policy("mlp")
+    )
+    assert optim is client and scheduler is None
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        batches = [models.mlp_batch(100 * step + r) for r in range(world_size)]
+        models.mlp_loss(reference, concat(batches)).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        engine.backward(models.mlp_loss(engine, batches[rank]))
+        engine.step()
+        check_shards(engine.module, reference, exact=world_size == 1)
+
+
+def dataloader_indices(rank: int, world_size: int) -> list[list[int]]:
+    """The dataset indices each micro-batch of this rank's loader holds."""
+    data = torch.utils.data.TensorDataset(torch.arange(24))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD"}}
+    _, _, loader, _ = shardwrap.initialize(
+        model=build_model("mlp"), config=config, training_data=data
+    )
+    loader.sampler.set_epoch(0)
+    return [batch[0].tolist() for batch in loader]
+
+
+def all_cases(rank: int, world_size: int, scratch: str) -> dict:
+    """Every engine case in one spawn (spawning costs more than the training)."""
+    norms = {
+        stage: train_engine_and_reference(
+            rank, world_size, stage=stage, accumulation=2, clipping=0.5, num_steps=2
+        )
+        for stage in (0, 1, 2, 3)
+    }
+    train_with_client_optimizer(rank, world_size)
+    fp16_engine_equals_manual_scaling(rank, world_size, stage=3)  # one rank's inf skips all
+    nvme_engine_equals_memory_engine(rank, world_size, scratch, stage=2)
+    indices = dataloader_indices(rank, world_size)
+    dist.barrier()
+    return {"norms": norms, "indices": indices}
+
+
+RESUME_STAGE = {2: 3, 3: 2}  # save with ZeRO-3 on 2 ranks, resume with ZeRO-2 on 3 ranks
+
+
+def save_then_resume(rank: int, world_size: int, save_dir: str, saved_on: int) -> None:
+    """Save after steps 0-1 (on ``saved_on`` ranks); resume and run steps 2-3 here.
+
+    The reference replays steps 0-1 with ``saved_on`` ranks' batches, then 2-3 with ours.
+    """
+    model = build_model("gpt")
+    reference = Reference(copy.deepcopy(model), clipping=0.5)
+    engine = make_engine(model, RESUME_STAGE[world_size], 2, 0.5)
+    for step in range(2):
+        reference.step(step, saved_on, 2)
+        if world_size == saved_on:
+            engine_step(engine, rank, step, world_size, 2)
+    if world_size == saved_on:
+        engine.save_checkpoint(save_dir, client_state={"epoch": 7})
+        engine.save_checkpoint(save_dir, tag="spare", save_latest=False)
+        return
+    path, client_state = engine.load_checkpoint(save_dir)
+    assert path.endswith("global_step2") and client_state == {"epoch": 7}, (path, client_state)
+    assert engine.global_steps == 2 and engine.get_lr() == reference.scheduler.get_last_lr()
+    check_shards(engine.module, reference.model, exact=False)
+    for step in range(2, 4):
+        reference.step(step, world_size, 2)
+        engine_step(engine, rank, step, world_size, 2)
+        check_shards(engine.module, reference.model, exact=False)
+
+
+def bf16_engine_equals_sharded_module(rank: int, world_size: int, stage: int) -> None:
+    """``bf16: {enabled: true}`` trains exactly like ShardedModule with bf16 MixedPrecision."""
+    model = build_model("gpt")
+    twin = shardwrap.ShardedModule(
+        copy.deepcopy(model),
+        sharding_strategy=STAGE_STRATEGIES[stage],
+        auto_wrap_policy=wrap_policy("gpt"),
+        mixed_precision=shardwrap.MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+        ),
+    )
+    engine = make_engine(model, stage, 1, 0.0, bf16={"enabled": True})
+    twin_optim = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=0.1)
+    twin_sched = WarmupLR(twin_optim, **WARMUP)
+    for step in range(3):
+        batch = micro_batches(step, world_size, 1)[(rank, 0)]
+        models.gpt_loss(twin, batch, use_extra=step % 2 == 1).backward()
+        twin_optim.step()
+        twin_sched.step()
+        twin_optim.zero_grad()
+        engine_step(engine, rank, step, world_size, 1)
+        for (name, mine), (_, theirs) in zip(
+            engine.module.named_parameters(), twin.named_parameters(), strict=True
+        ):
+            assert mine.dtype == torch.float32, name  # fp32 master shards
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+
+
+def fp16_engine_equals_manual_scaling(rank: int, world_size: int, stage: int) -> None:
+    """fp16 trains like ShardedModule(fp16) with the loss scaled by hand; an inf skips a step."""
+    model = build_model("gpt")
+    twin = shardwrap.ShardedModule(
+        copy.deepcopy(model),
+        sharding_strategy=STAGE_STRATEGIES[stage],
+        auto_wrap_policy=wrap_policy("gpt"),
+        mixed_precision=shardwrap.MixedPrecision(
+            param_dtype=torch.float16, reduce_dtype=torch.float16
+        ),
+    )
+    fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
+    engine = make_engine(model, stage, 1, 0.0, fp16=fp16)
+    twin_optim = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=0.1)
+    twin_sched = WarmupLR(twin_optim, **WARMUP)
+    scale = torch.tensor(2.0**8, dtype=torch.float32)
+    for step in range(2):
+        batch = micro_batches(step, world_size, 1)[(rank, 0)]
+        (models.gpt_loss(twin, batch, use_extra=step % 2 == 1) * scale).backward()
+        reduce_deferred_grads_for(twin_optim)  # ZeRO-1 keeps gradients local until here
+        for param in twin.parameters():
+            if param.grad is not None:
+                param.grad.mul_(1.0 / scale.item())
+        twin_optim.step()
+        twin_sched.step()
+        twin_optim.zero_grad()
+        engine_step(engine, rank, step, world_size, 1)
+        for (name, mine), (_, theirs) in zip(
+            engine.module.named_parameters(), twin.named_parameters(), strict=True
+        ):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    lr_before = engine.get_lr()
+    loss = models.gpt_loss(engine, micro_batches(2, world_size, 1)[(rank, 0)])
+    engine.backward(loss * (float("inf") if rank == world_size - 1 else 1.0))
+    engine.step()  # one rank overflowed: every rank skips
+    assert (engine.global_steps, engine.skipped_steps) == (3, 1)
+    assert engine.get_lr() == lr_before and engine.loss_scaler.scale == 2.0**8  # hysteresis 2
+    for old, new in zip(before, engine.module.parameters(), strict=True):
+        assert torch.equal(old, new.detach())
+        assert new.grad is None
+
+
+def nvme_engine_equals_memory_engine(rank: int, world_size: int, path: str, stage: int) -> None:
+    """``offload_optimizer: {device: nvme}`` trains exactly like the same run in memory."""
+    model = build_model("gpt")
+    in_memory = make_engine(copy.deepcopy(model), stage, 2, 0.5)
+    nvme = {"device": "nvme", "nvme_path": path}
+    config = {**ds_config(stage, 2, 0.5)}
+    config["zero_optimization"] = {"stage": stage, "offload_optimizer": nvme}
+    on_disk, _, _, _ = shardwrap.initialize(
+        model=model, config=config, auto_wrap_policy=wrap_policy("gpt")
+    )
+    assert on_disk.module.disk_store is not None
+    for step in range(2):
+        engine_step(in_memory, rank, step, world_size, 2)
+        engine_step(on_disk, rank, step, world_size, 2)
+        for (name, kept), (_, mapped) in zip(
+            in_memory.module.named_parameters(), on_disk.module.named_parameters(), strict=True
+        ):
+            torch.testing.assert_close(mapped, kept, rtol=0, atol=0, msg=name)

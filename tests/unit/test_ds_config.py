@@ -1,0 +1,220 @@
+"""The DeepSpeed config parse: DeepSpeed's defaults, derived batch sizes, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardwrap.ds_config import DeepSpeedConfig, OffloadDevice, derive_batch_sizes
+from shardwrap.ds_optimizer import OptimizerType, SchedulerType
+
+
+def load(**top) -> DeepSpeedConfig:
+    return DeepSpeedConfig.load({"train_batch_size": 8, **top})
+
+
+def test_zero_defaults_are_deepspeeds():
+    # Values from DeepSpeed's config code (/work/shared/reference/deepspeed-config.md).
+    zero = load().zero_optimization
+    assert zero.stage == 0
+    assert zero.contiguous_gradients and zero.reduce_scatter and zero.allgather_partitions
+    assert zero.reduce_bucket_size == 500_000_000 == zero.allgather_bucket_size
+    assert zero.sub_group_size == 1_000_000_000
+    assert zero.stage3_prefetch_bucket_size == 50_000_000
+    assert zero.stage3_param_persistence_threshold == 100_000
+    assert zero.stage3_max_live_parameters == 1_000_000_000 == zero.stage3_max_reuse_distance
+    assert not zero.stage3_gather_16bit_weights_on_model_save
+    assert zero.offload_param.device is OffloadDevice.NONE
+    assert zero.offload_param.buffer_count == 5 and zero.offload_optimizer.buffer_count == 4
+
+
+@pytest.mark.parametrize("stage,overlap", [(0, False), (1, False), (2, False), (3, True)])
+def test_overlap_comm_default_depends_on_stage(stage, overlap):
+    assert load(zero_optimization={"stage": stage}).zero_optimization.overlap_comm is overlap
+
+
+def test_sizes_written_as_floats_are_integers():
+    zero = load(zero_optimization={"stage": 2, "reduce_bucket_size": 2e8}).zero_optimization
+    assert zero.reduce_bucket_size == 200_000_000 and isinstance(zero.reduce_bucket_size, int)
+    with pytest.raises(ValueError, match="zero_optimization.reduce_bucket_size: expected an int"):
+        load(zero_optimization={"reduce_bucket_size": 2.5})
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (
+            {"zero_optimisation": {}},
+            "config: unknown key 'zero_optimisation'; did you mean 'zero_optimization'",
+        ),
+        (
+            {"zero_optimization": {"stage3_prefetch_bucket_sz": 1}},
+            "zero_optimization: unknown key 'stage3_prefetch_bucket_sz'; "
+            "did you mean 'stage3_prefetch_bucket_size'",
+        ),
+        ({"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}}, "'weight_decay'"),
+        ({"optimizer": {"type": "AdamWW"}}, "unknown optimizer 'AdamWW'; did you mean 'AdamW'"),
+        (
+            {"scheduler": {"type": "WarmupLr"}},
+            "unknown scheduler 'WarmupLr'; did you mean 'WarmupLR'",
+        ),
+        ({"fp16": {"loss_scale_windo": 10}}, "did you mean 'loss_scale_window'"),
+    ],
+)
+def test_unknown_keys_suggest_the_nearest(config, message):
+    with pytest.raises(ValueError, match=message):
+        load(**config)
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (
+            {"zero_optimization": {"zero_hpz_partition_size": 8}},
+            "zero_hpz_partition_size: not supported.*hpZ",
+        ),
+        ({"zero_optimization": {"zero_quantized_weights": True}}, "qwZ"),
+        ({"zero_optimization": {"zero_quantized_gradients": True}}, "qgZ"),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, "'OneCycle' is not supported"),
+        ({"optimizer": {"type": "Lamb"}}, "'Lamb' is not supported"),
+        ({"steps_per_print": 10}, "steps_per_print: not supported"),
+        ({"activation_checkpointing": {}}, "activation_checkpointing: not supported"),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                }
+            },
+            "ratio: not supported",
+        ),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}},
+            "load_checkpoint",
+        ),
+    ],
+)
+def test_known_but_unsupported_keys_say_so(config, message):
+    with pytest.raises(ValueError, match=message):
+        load(**config)
+
+
+def test_unsupported_keys_set_to_their_off_value_are_accepted():
+    zero = {"stage": 2, "zero_hpz_partition_size": 1, "zero_quantized_weights": False}
+    assert load(zero_optimization=zero, wall_clock_breakdown=False).zero_optimization.stage == 2
+
+
+def test_auto_values_are_rejected():
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu: 'auto'"):
+        load(train_micro_batch_size_per_gpu="auto")
+
+
+@pytest.mark.parametrize(
+    "given,world,expected",
+    [
+        ((32, 4, None), 2, (32, 4, 4)),
+        ((32, None, 2), 4, (32, 4, 2)),
+        ((None, 4, 2), 3, (24, 4, 2)),
+        ((12, None, None), 3, (12, 4, 1)),
+        ((None, 5, None), 2, (10, 5, 1)),
+        ((16, 2, 4), 2, (16, 2, 4)),
+    ],
+)
+def test_batch_sizes_are_derived(given, world, expected):
+    train, micro, steps = given
+    sizes = derive_batch_sizes(
+        train_batch_size=train,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=steps,
+        data_parallel_size=world,
+    )
+    got = (
+        sizes.train_batch_size,
+        sizes.train_micro_batch_size_per_gpu,
+        sizes.gradient_accumulation_steps,
+    )
+    assert got == expected
+    assert sizes.train_batch_size == got[1] * got[2] * world
+
+
+@pytest.mark.parametrize(
+    "given,world,shown",
+    [
+        ((32, 4, 3), 2, r"\(32\).*\(4\).*\(3\).*\(2\)"),
+        ((30, 4, None), 2, r"\(30\).*\(4\).*\(not given\).*\(2\)"),
+        ((10, None, None), 3, r"\(10\).*\(not given\).*\(not given\).*\(3\)"),
+        ((None, None, 4), 1, "give at least one"),
+    ],
+)
+def test_inconsistent_batch_sizes_name_all_numbers(given, world, shown):
+    train, micro, steps = given
+    config = DeepSpeedConfig(
+        train_batch_size=train,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=steps,
+    )
+    with pytest.raises(ValueError, match=shown):
+        config.batch_sizes(world)
+
+
+def test_precision_blocks():
+    fp16 = load(fp16={"enabled": True, "initial_scale_power": 12}).fp16
+    assert fp16.enabled and fp16.dynamic_loss_scale and fp16.initial_loss_scale == 4096.0
+    assert (fp16.loss_scale_window, fp16.hysteresis, fp16.min_loss_scale) == (1000, 2, 1.0)
+    static = load(fp16={"enabled": True, "loss_scale": 128}).fp16
+    assert not static.dynamic_loss_scale and static.initial_loss_scale == 128.0
+    assert load(bfloat16={"enabled": True}).bf16.enabled
+    with pytest.raises(ValueError, match="both true"):
+        load(fp16={"enabled": True}, bf16={"enabled": True})
+
+
+def test_offload_blocks():
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}
+    parsed = load(zero_optimization=zero).zero_optimization
+    assert parsed.offload_optimizer.device is OffloadDevice.NVME
+    assert parsed.offload_optimizer.nvme_path == "/tmp/x"
+    with pytest.raises(ValueError, match="offload_optimizer.nvme_path: required"):
+        load(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}})
+    with pytest.raises(ValueError, match="offload_param: parameter offload needs stage 3"):
+        load(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})
+    with pytest.raises(ValueError, match="offload_optimizer.device: expected one of"):
+        load(zero_optimization={"stage": 2, "offload_optimizer": {"device": "gpu"}})
+
+
+def test_optimizer_block_builds_deepspeed_semantics():
+    weight = torch.nn.Parameter(torch.ones(3))
+    adam = load(optimizer={"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.2}}).optimizer
+    assert adam.type is OptimizerType.ADAM
+    built = adam.build([weight])
+    assert type(built) is torch.optim.AdamW  # DeepSpeed's adam_w_mode defaults to true
+    assert built.defaults["weight_decay"] == 0.2 and built.defaults["eps"] == 1e-8
+    coupled = load(optimizer={"type": "adam", "params": {"adam_w_mode": False}}).optimizer
+    assert type(coupled.build([weight])) is torch.optim.Adam
+    adamw = load(optimizer={"type": "AdamW"}).optimizer.build([weight])
+    assert adamw.defaults["weight_decay"] == 0.0  # DeepSpeed's default, not torch's 0.01
+    sgd = load(optimizer={"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}).optimizer
+    assert sgd.build([weight]).defaults["momentum"] == 0.9
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0}))
+    config = DeepSpeedConfig.load(str(path))
+    assert config.gradient_clipping == 1.0 and config.batch_sizes(2).train_batch_size == 4
+    with pytest.raises(ValueError, match="does not exist"):
+        DeepSpeedConfig.load(str(tmp_path / "missing.json"))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        DeepSpeedConfig.load(path)
+
+
+def test_scheduler_block():
+    params = {"total_num_steps": 100, "warmup_num_steps": 10}
+    scheduler = load(scheduler={"type": "WarmupCosineLR", "params": params}).scheduler
+    assert scheduler.type is SchedulerType.WARMUP_COSINE_LR
+    with pytest.raises(ValueError, match="total_num_steps: required by WarmupDecayLR"):
+        load(scheduler={"type": "WarmupDecayLR", "params": {}})
+    with pytest.raises(ValueError, match="warmup_type"):
+        load(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cubic"}})

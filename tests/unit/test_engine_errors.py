@@ -1,0 +1,118 @@
+"""``shardwrap.initialize`` refuses what it cannot do, with errors naming the problem."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import shardwrap
+from tests import models
+
+SGD = {"type": "SGD", "params": {"lr": 0.1}}
+
+
+def config(**extra) -> dict:
+    return {"train_batch_size": 4, "optimizer": SGD, **extra}
+
+
+def test_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        shardwrap.initialize(model=models.MLP(), config=config())
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+                }
+            },
+            "'nvme' keeps optimizer state on disk for Adam and AdamW only, got SGD",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+                }
+            },
+            "offload_param.device: 'nvme' is not supported",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent"},
+                }
+            },
+            "DiskOffload: path '/nonexistent' does not exist",
+        ),
+        ({"train_batch_size": 5, "gradient_accumulation_steps": 2}, r"\(5\).*\(2\).*\(1\)"),
+    ],
+)
+def test_unsupported_or_inconsistent_configs(one_rank, extra, message):
+    with pytest.raises(ValueError, match=message):
+        shardwrap.initialize(model=models.MLP(), config=config(**extra))
+
+
+def test_optimizer_given_twice(one_rank):
+    model = models.MLP()
+    client = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="optimizer: given both"):
+        shardwrap.initialize(model=model, optimizer=client, config=config())
+
+
+def test_client_optimizer_that_already_stepped(one_rank):
+    model = models.MLP()
+    client = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    models.mlp_loss(model, models.mlp_batch(0)).backward()
+    client.step()
+    with pytest.raises(ValueError, match="already stepped"):
+        shardwrap.initialize(model=model, optimizer=client, config={"train_batch_size": 4})
+
+
+def test_optimizer_that_is_not_elementwise(one_rank):
+    stage2 = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
+    model = models.MLP()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ValueError, match="LBFGS is not known to update element by element"):
+        shardwrap.initialize(model=model, optimizer=lbfgs, config=stage2)
+    allowed = {**stage2, "zero_allow_untested_optimizer": True}
+    model = models.MLP()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    _, optim, _, _ = shardwrap.initialize(model=model, optimizer=lbfgs, config=allowed)
+    assert optim is lbfgs
+
+
+def test_foreign_parameter(one_rank):
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="shape \\(3,\\) is not in the model"):
+        shardwrap.initialize(model=models.MLP(), model_parameters=[stranger], config=config())
+
+
+def test_batch_accessors_and_config_from_args(one_rank, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(
+        '{"train_batch_size": 6, "gradient_accumulation_steps": 3, "optimizer": {"type": "SGD"}}'
+    )
+    args = type("Args", (), {"deepspeed_config": str(path)})()
+    engine, _, loader, scheduler = shardwrap.initialize(args=args, model=models.MLP())
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()) == (6, 2)
+    assert engine.gradient_accumulation_steps() == 3 and loader is None and scheduler is None
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("shardwrap.checkpoint") is not None,
+    reason="shardwrap.checkpoint exists; the error for its absence cannot occur",
+)
+def test_checkpoint_without_checkpoint_module(one_rank, tmp_path):
+    engine, _, _, _ = shardwrap.initialize(model=models.MLP(), config=config())
+    with pytest.raises(RuntimeError, match="need shardwrap.checkpoint"):
+        engine.save_checkpoint(tmp_path)
+    with pytest.raises(RuntimeError, match="need shardwrap.checkpoint"):
+        engine.load_checkpoint(tmp_path)
