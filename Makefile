@@ -30,8 +30,10 @@ test: lint
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py
 
+# The peers (DeepSpeed without compiled ops, matplotlib) are a benchmark extra only.
 bench: $(STAMP)
-	$(PY) benchmarks/bench_step.py
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $(PY) -m pip install -q -e '.[bench]'
+	DS_ACCELERATOR=cpu $(PY) benchmarks/bench_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
