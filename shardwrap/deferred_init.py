@@ -55,6 +55,7 @@ class UnitMaterializer:
         self.device = device
         self.sync_comm = sync_comm  # None: no sync_module_states
         self.ignored_ids = {id(m) for top in ignored for m in top.modules()}
+        self.names = {id(m): name or "<root>" for name, m in root.named_modules()}
         self.region_of: dict[int, int] = {}  # id(module) -> id(its nearest unit module)
         self._assign_regions(root, id(root), {id(m) for m in unit_modules})
 
@@ -99,11 +100,20 @@ class UnitMaterializer:
         if self.param_init_fn is not None:
             self.param_init_fn(module)
             return
-        module.to_empty(device=self.device, recurse=False)
         reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            with torch.no_grad():
-                reset()
+        if not callable(reset):
+            # to_empty alone would leave whatever bytes the allocator returned: refuse.
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            names = [name for name, tensor in own if tensor.is_meta]
+            raise ValueError(
+                f"param_init_fn: module {self.names.get(id(module), '?')!r} "
+                f"({type(module).__name__}) has {names} on the meta device and no "
+                "reset_parameters() to initialise them; pass param_init_fn, or build that "
+                "module off the meta device"
+            )
+        module.to_empty(device=self.device, recurse=False)
+        with torch.no_grad():
+            reset()
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         with torch.no_grad():

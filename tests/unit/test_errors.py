@@ -79,3 +79,19 @@ def test_bad_flag_types(one_rank):
         shardwrap.ShardedModule(models.MLP(), backward_prefetch="SOMETIMES")
     with pytest.raises(TypeError, match="ignored_modules"):
         shardwrap.ShardedModule(models.MLP(), ignored_modules=["body"])
+
+
+class _NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_meta_module_without_reset_parameters_is_named(one_rank):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _NoReset())
+    with pytest.raises(ValueError, match=r"module '1' \(_NoReset\) has \['scale'\] on the meta"):
+        shardwrap.ShardedModule(model)
