@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
-NPROC ?= 2
+# Ranks for the demo: one per GPU when CUDA is there, else 2 CPU ranks (override: NPROC=4).
+NPROC ?=
 
 .PHONY: test demo lint format unit dist bench clean
 
@@ -28,7 +29,9 @@ test: lint
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node \
+	  $(or $(NPROC),$$($(PY) -c 'import torch; print(torch.cuda.device_count() or 2)')) \
+	  examples/train_gpt.py
 
 # The peers (DeepSpeed without compiled ops, matplotlib) are a benchmark extra only.
 bench: $(STAMP)
