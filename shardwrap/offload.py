@@ -8,6 +8,16 @@ no file is left behind even when the process is killed. The directory itself is 
 when the store is collected or at interpreter exit (only an empty directory can survive
 a crash). The files are scratch: checkpoints, not these files, are the durable state.
 
+[Note: releasing resident pages]
+Mapped pages that were touched stay resident (file-backed) until the kernel needs the
+memory, so the mapping alone does not lower a rank's resident set. After every optimizer
+step the store tells the kernel it no longer needs them (``madvise(MADV_DONTNEED)``): for a
+shared file mapping this drops them from the process, while their up-to-date contents stay
+in the file's page cache and on disk, and the next access reads them back. Between steps
+the rank then holds none of the master shards and Adam state (12 bytes per sharded
+parameter element); they come back, one access at a time, while forward and the step use
+them. Linux only; elsewhere the release is skipped.
+
 [Note: optimizer state on disk]
 torch's Adam/AdamW create their state lazily (zeros and a step counter) on the first
 step. A step pre-hook fills that state beforehand with views into one mapped buffer per
@@ -18,15 +28,20 @@ would in memory. Other optimizers' state would stay in memory, so they are refus
 from __future__ import annotations
 
 import atexit
+import ctypes
 import itertools
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from .flat_param import FlatParamHandle
 
@@ -70,7 +85,9 @@ class DiskStore:
         self.num_bytes = 0  # bytes mapped so far
         # One mapped buffer per (handle, Adam state name), laid out like the shard.
         self._state_buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._mapped: list[torch.Tensor] = []  # every mapped buffer, for release_pages
         self._hook = None
+        self._release_hook = None
         self._finalizer = weakref.finalize(self, _remove_directory, self.directory)
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -82,7 +99,16 @@ class DiskStore:
         tensor = torch.from_file(filename, shared=True, size=numel, dtype=dtype)
         os.unlink(filename)
         self.num_bytes += numel * tensor.element_size()
+        self._mapped.append(tensor)
         return tensor
+
+    def release_pages(self) -> None:
+        """Drop the mapped buffers from this process's resident memory (data is kept).
+
+        See [Note: releasing resident pages].
+        """
+        for tensor in self._mapped:
+            _dont_need(tensor)
 
     def attach(self, handles: Iterable[FlatParamHandle | None]) -> None:
         """Watch every optimizer step: state for these handles' shards goes on disk."""
@@ -94,8 +120,20 @@ class DiskStore:
             if store is not None:
                 store.place_state(optimizer)
 
+        def after_step(optimizer, args, kwargs):
+            store = ref()
+            if store is not None and store._owns(optimizer):
+                store.release_pages()
+
         self._hook = register_optimizer_step_pre_hook(before_step)
-        self._finalizer = weakref.finalize(self, _detach, self._hook, self.directory)
+        self._release_hook = register_optimizer_step_post_hook(after_step)
+        self._finalizer = weakref.finalize(
+            self, _detach, (self._hook, self._release_hook), self.directory
+        )
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        mine = {id(p) for h in self.handles for p in h.shard_params}
+        return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
 
     def place_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Put Adam/AdamW state of our shards in mapped buffers (new, or loaded into memory)."""
@@ -134,9 +172,27 @@ class DiskStore:
         return self._state_buffers[key]
 
 
-def _detach(hook, directory: str) -> None:
-    hook.remove()
+def _detach(hooks, directory: str) -> None:
+    for hook in hooks:
+        hook.remove()
     _remove_directory(directory)
+
+
+_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+if _libc is not None:
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.madvise.restype = ctypes.c_int
+
+
+def _dont_need(tensor: torch.Tensor) -> None:
+    """madvise(MADV_DONTNEED) over a mapped buffer (it starts on a page: the mapping's base)."""
+    num_bytes = tensor.numel() * tensor.element_size()
+    if _libc is None or num_bytes == 0:
+        return
+    if _libc.madvise(tensor.data_ptr(), num_bytes, _MADV_DONTNEED) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"DiskOffload: madvise failed: {os.strerror(error)}")
 
 
 def _shard_view(handle: FlatParamHandle, index: int, flat: torch.Tensor) -> torch.Tensor:
