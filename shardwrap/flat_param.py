@@ -307,11 +307,14 @@ class FlatParamHandle:
         return bool(self._reductions)
 
     def _flatten_local_grads(self) -> torch.Tensor:
-        flat_grad = torch.zeros_like(self.flat_full, memory_format=torch.contiguous_format)
+        # Every element is written once: a gradient, or zeros (missing gradient, padding).
+        flat_grad = torch.empty_like(self.flat_full, memory_format=torch.contiguous_format)
+        flat_grad[self.layout.unpadded_numel :].zero_()
         for index, (info, param) in enumerate(
             zip(self.layout.params, self.full_params, strict=True)
         ):
             if param.grad is None:
+                flat_grad[info.offset : info.end].zero_()
                 continue
             flat_grad[info.offset : info.end].copy_(param.grad.reshape(-1))
             self.local_grad_present[index] = True
@@ -335,7 +338,7 @@ class FlatParamHandle:
                 piece = self.pieces[index]
                 grad = pending[piece.shard_start : piece.shard_end]
             if param.grad is None:
-                param.grad = grad.clone()
+                param.grad = grad  # a view of this reduction's own buffer: no copy
             else:
                 param.grad.add_(grad)
 
