@@ -338,7 +338,9 @@ class FlatParamHandle:
                 piece = self.pieces[index]
                 grad = pending[piece.shard_start : piece.shard_end]
             if param.grad is None:
-                param.grad = grad  # a view of this reduction's own buffer: no copy
+                # A copy, not a view: a view would keep the whole reduced buffer (padding and
+                # frozen parameters' slots included) alive for as long as any gradient lives.
+                param.grad = grad.clone()
             else:
                 param.grad.add_(grad)
 
