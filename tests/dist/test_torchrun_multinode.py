@@ -26,7 +26,10 @@ def test_two_nodes_hybrid_shard_matches_reference(tmp_path: Path) -> None:
     common = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "2", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "sw",
+        # torchrun's default static rendezvous: node 0 hosts the store on the endpoint and
+        # --node-rank orders the ranks (c10d ignores --node-rank, and both "nodes" here
+        # would race to host the store on the same loopback port).
+        "--rdzv-endpoint", f"127.0.0.1:{port}",
     ]  # fmt: skip
     script = [str(repo / "tests" / "dist" / "torchrun_hybrid_worker.py"), str(out)]
     nodes = [
