@@ -156,13 +156,19 @@ class FlatParamHandle:
         return nn.Parameter(view, requires_grad=info.requires_grad)
 
     def _make_shard_view(self, index: int) -> nn.Parameter:
+        view = self.shard_view(self.flat_shard, index)
+        return nn.Parameter(view, requires_grad=self.layout.params[index].requires_grad)
+
+    def shard_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of ``flat``, a buffer laid out like this rank's shard.
+
+        A 1-D piece, or the parameter's own shape when there is a single shard.
+        """
         info = self.layout.params[index]
         if self.num_shards == 1:
-            view = self.flat_shard[info.offset : info.end].view(info.shape)
-        else:
-            piece = self.pieces[index]
-            view = self.flat_shard[piece.shard_start : piece.shard_end]
-        return nn.Parameter(view, requires_grad=info.requires_grad)
+            return flat[info.offset : info.end].view(info.shape)
+        piece = self.pieces[index]
+        return flat[piece.shard_start : piece.shard_end]
 
     def _show(self, params: list[nn.Parameter]) -> None:
         for param, sites in zip(params, self.sites, strict=True):
@@ -331,12 +337,7 @@ class FlatParamHandle:
         for index, param in enumerate(self.shard_params):
             if not global_present[index]:
                 continue
-            info = self.layout.params[index]
-            if self.num_shards == 1:
-                grad = pending[info.offset : info.end].view(info.shape)
-            else:
-                piece = self.pieces[index]
-                grad = pending[piece.shard_start : piece.shard_end]
+            grad = self.shard_view(pending, index)
             if param.grad is None:
                 # A copy, not a view: a view would keep the whole reduced buffer (padding and
                 # frozen parameters' slots included) alive for as long as any gradient lives.
@@ -358,3 +359,9 @@ def _check_uniform(unit_name: str, layout: FlatLayout, params: list[nn.Parameter
     if len(dtypes) > 1:
         what = ", ".join(f"{i.fqn}: {p.dtype}" for i, p in zip(layout.params, params, strict=True))
         raise ValueError(f"unit {unit_name!r}: parameters of mixed dtypes ({what})")
+
+
+def holds_shards_of(optimizer: torch.optim.Optimizer, handles: list[FlatParamHandle]) -> bool:
+    """Whether ``optimizer`` updates any shard view of ``handles``."""
+    mine = {id(p) for h in handles for p in h.shard_params}
+    return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])

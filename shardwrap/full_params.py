@@ -159,7 +159,7 @@ def _attach_full_grads(handle: FlatParamHandle, shown: list[nn.Parameter]) -> No
             param.grad = None if shard.grad is None else shard.grad.detach().clone()
         return
     grad_shard = torch.zeros_like(handle.flat_shard)
-    pieces = handle.layout.pieces(handle.shard_comm.rank)
+    pieces = handle.pieces
     for piece, shard in zip(pieces, handle.shard_params, strict=True):
         if shard.grad is not None:
             grad_shard[piece.shard_start : piece.shard_end].copy_(shard.grad.reshape(-1))

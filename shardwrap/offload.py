@@ -43,7 +43,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from .flat_param import FlatParamHandle
+from .flat_param import FlatParamHandle, holds_shards_of
 
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
 _LIVE_DIRECTORIES: set[str] = set()
@@ -122,7 +122,7 @@ class DiskStore:
 
         def after_step(optimizer, args, kwargs):
             store = ref()
-            if store is not None and store._owns(optimizer):
+            if store is not None and holds_shards_of(optimizer, store.handles):
                 store.release_pages()
 
         self._hook = register_optimizer_step_pre_hook(before_step)
@@ -130,10 +130,6 @@ class DiskStore:
         self._finalizer = weakref.finalize(
             self, _detach, (self._hook, self._release_hook), self.directory
         )
-
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        mine = {id(p) for h in self.handles for p in h.shard_params}
-        return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
 
     def place_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Put Adam/AdamW state of our shards in mapped buffers (new, or loaded into memory)."""
@@ -157,7 +153,7 @@ class DiskStore:
                 if current is not None and is_file_backed(current):
                     continue
                 # A fresh state, or one optimizer.load_state_dict put back in memory.
-                placed = _shard_view(handle, index, self._state_buffer(handle, name))
+                placed = handle.shard_view(self._state_buffer(handle, name), index)
                 with torch.no_grad():
                     placed.copy_(current if current is not None else torch.zeros(()))
                 state[name] = placed
@@ -193,15 +189,6 @@ def _dont_need(tensor: torch.Tensor) -> None:
     if _libc.madvise(tensor.data_ptr(), num_bytes, _MADV_DONTNEED) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"DiskOffload: madvise failed: {os.strerror(error)}")
-
-
-def _shard_view(handle: FlatParamHandle, index: int, flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` (laid out like the shard) viewed as shard parameter ``index``."""
-    info = handle.layout.params[index]
-    if handle.num_shards == 1:
-        return flat[info.offset : info.end].view(info.shape)
-    piece = handle.layout.pieces(handle.shard_comm.rank)[index]
-    return flat[piece.shard_start : piece.shard_end]
 
 
 def is_file_backed(tensor: torch.Tensor) -> bool:

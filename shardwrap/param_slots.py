@@ -94,7 +94,7 @@ def model_slots(model: nn.Module) -> ModelSlots:
 
 def _handle_slots(handle: FlatParamHandle) -> list[ParamSlot]:
     saves = handle.replicate_comm is None or handle.replicate_comm.rank == 0
-    pieces = handle.layout.pieces(handle.shard_comm.rank)
+    pieces = handle.pieces
     slots = []
     for index, (info, piece) in enumerate(zip(handle.layout.params, pieces, strict=True)):
         start, end = (

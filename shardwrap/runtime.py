@@ -21,6 +21,7 @@ from torch.optim.optimizer import (
 )
 
 from .collectives import Communicator
+from .flat_param import holds_shards_of
 from .hooks import TrainingState, Unit
 from .schedule import Schedule
 
@@ -142,8 +143,7 @@ class StepRuntime:
         self.vote_and_assign(units)
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        mine = {id(p) for u in self.units if u.handle is not None for p in u.handle.shard_params}
-        return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+        return holds_shards_of(optimizer, [u.handle for u in self.units if u.handle is not None])
 
     def _install_optimizer_hooks(self) -> None:
         ref = weakref.ref(self)

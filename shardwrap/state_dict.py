@@ -251,7 +251,7 @@ def _gather_unit_state(handle: FlatParamHandle, unit_slots: list[ParamSlot], opt
             if _state_kind(slot, name, value) == SHARDED:
                 states.setdefault(name, value.dtype)
     result = {}
-    pieces = handle.layout.pieces(handle.shard_comm.rank)
+    pieces = handle.pieces
     for name in sorted(states):
         local = torch.zeros(handle.layout.shard_numel, dtype=states[name])
         holders = []
