@@ -182,17 +182,20 @@ def save_then_resume(rank: int, world_size: int, save_dir: str, saved_on: int) -
         check_shards(engine.module, reference.model, exact=False)
 
 
-def bf16_engine_equals_sharded_module(rank: int, world_size: int, stage: int) -> None:
-    """``bf16: {enabled: true}`` trains exactly like ShardedModule with bf16 MixedPrecision."""
-    model = build_model("gpt")
-    twin = shardwrap.ShardedModule(
+def _low_precision_twin(model, stage: int, dtype: torch.dtype) -> shardwrap.ShardedModule:
+    """A copy of ``model`` wrapped as the engine's stage would be, computing in ``dtype``."""
+    return shardwrap.ShardedModule(
         copy.deepcopy(model),
         sharding_strategy=STAGE_STRATEGIES[stage],
         auto_wrap_policy=wrap_policy("gpt"),
-        mixed_precision=shardwrap.MixedPrecision(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
-        ),
+        mixed_precision=shardwrap.MixedPrecision(param_dtype=dtype, reduce_dtype=dtype),
     )
+
+
+def bf16_engine_equals_sharded_module(rank: int, world_size: int, stage: int) -> None:
+    """``bf16: {enabled: true}`` trains exactly like ShardedModule with bf16 MixedPrecision."""
+    model = build_model("gpt")
+    twin = _low_precision_twin(model, stage, torch.bfloat16)
     engine = make_engine(model, stage, 1, 0.0, bf16={"enabled": True})
     twin_optim = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=0.1)
     twin_sched = WarmupLR(twin_optim, **WARMUP)
@@ -213,14 +216,7 @@ def bf16_engine_equals_sharded_module(rank: int, world_size: int, stage: int) ->
 def fp16_engine_equals_manual_scaling(rank: int, world_size: int, stage: int) -> None:
     """fp16 trains like ShardedModule(fp16) with the loss scaled by hand; an inf skips a step."""
     model = build_model("gpt")
-    twin = shardwrap.ShardedModule(
-        copy.deepcopy(model),
-        sharding_strategy=STAGE_STRATEGIES[stage],
-        auto_wrap_policy=wrap_policy("gpt"),
-        mixed_precision=shardwrap.MixedPrecision(
-            param_dtype=torch.float16, reduce_dtype=torch.float16
-        ),
-    )
+    twin = _low_precision_twin(model, stage, torch.float16)
     fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
     engine = make_engine(model, stage, 1, 0.0, fp16=fp16)
     twin_optim = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=0.1)
