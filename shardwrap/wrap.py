@@ -25,6 +25,7 @@ from .options import (
     MixedPrecision,
     ShardingStrategy,
 )
+from .persistence import UnitComms, check_threshold, is_persistent, persistent_comms
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -63,6 +64,10 @@ class ShardedModule(nn.Module):
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.
     Parameter and state-dict names are exactly those of the unwrapped ``module``; the
     parameters the optimizer receives are this rank's pieces of the originals.
+
+    ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
+    fewer elements are kept whole and replicated on every rank, never all-gathered, their
+    gradients all-reduced; see [Note: parameter persistence] in ``persistence.py``.
     """
 
     def __init__(
@@ -83,6 +88,8 @@ class ShardedModule(nn.Module):
         use_orig_params: bool = True,
         ignored_states: Iterable[Any] | None = None,
         device_mesh: Any = None,
+        *,
+        param_persistence_threshold: int = 0,
     ) -> None:
         super().__init__()
         _check_module(module)
@@ -97,6 +104,8 @@ class ShardedModule(nn.Module):
         self.limit_all_gathers = _check_bool("limit_all_gathers", limit_all_gathers)
         self.use_orig_params = _check_bool("use_orig_params", use_orig_params)
         sync_module_states = _check_bool("sync_module_states", sync_module_states)
+        # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
+        self.param_persistence_threshold = check_threshold(param_persistence_threshold)
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
         _check_unsupported(cpu_offload, module)
         self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
@@ -113,6 +122,12 @@ class ShardedModule(nn.Module):
         replicate_comm = (
             Communicator(groups.replicate_group, self.comm_ledger)
             if groups.replicate_group is not None
+            else None
+        )
+        persistent = (
+            persistent_comms(self.sharding_strategy, groups, self.comm_ledger)
+            if self.param_persistence_threshold
+            and self.sharding_strategy is not ShardingStrategy.NO_SHARD
             else None
         )
         absorbed = _absorb_nested(module)
@@ -150,6 +165,7 @@ class ShardedModule(nn.Module):
             mixed_precision=self.mixed_precision,
             full_precision=full_precision,
             shard_allocator=self.disk_store.allocate if self.disk_store else None,
+            persistent=(persistent, self.param_persistence_threshold),
         )
         if deferred or sync_module_states:
             materializer.finish(module, ignored)
@@ -361,6 +377,7 @@ def _build_units(
     mixed_precision: MixedPrecision | None,
     full_precision: list[nn.Module],
     shard_allocator=None,
+    persistent: tuple[UnitComms | None, int] = (None, 0),
 ) -> list[Unit]:
     """One unit per module, root first; materialise each right before it is sharded.
 
@@ -374,13 +391,19 @@ def _build_units(
         if materializer is not None:
             materializer.prepare(module, records, root)
         optimizer_guard.retire([r.param for r in records])
+        comms = UnitComms(shard_comm, replicate_comm)
+        kept_whole, threshold = persistent
+        if kept_whole is not None and is_persistent(
+            sum(r.param.numel() for r in records), threshold
+        ):
+            comms = kept_whole
         units.append(
             build_unit(
                 name=names[id(module)],
                 module=module,
                 records=records,
-                shard_comm=shard_comm,
-                replicate_comm=replicate_comm,
+                shard_comm=comms.shard,
+                replicate_comm=comms.replicate,
                 strategy=strategy,
                 mixed_precision=None if module in full_precision else mixed_precision,
                 shard_allocator=shard_allocator,

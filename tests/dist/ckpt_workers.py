@@ -12,7 +12,6 @@ import os
 import signal
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,7 +25,9 @@ from tests.dist import parity
 STEPS_PER_PHASE = 2
 
 
-def wrap(model: nn.Module, world_size: int, strategy: str) -> shardwrap.ShardedModule:
+def wrap(
+    model: nn.Module, world_size: int, strategy: str, persistence_threshold: int = 0
+) -> shardwrap.ShardedModule:
     kwargs = {}
     if strategy.startswith("HYBRID"):
         kwargs["process_group"] = shardwrap.hybrid_process_groups(world_size // 2)
@@ -34,6 +35,7 @@ def wrap(model: nn.Module, world_size: int, strategy: str) -> shardwrap.ShardedM
         model,
         sharding_strategy=strategy,
         auto_wrap_policy=parity.wrap_policy("gpt"),
+        param_persistence_threshold=persistence_threshold,
         **kwargs,
     )
 
@@ -47,9 +49,13 @@ def local_pieces(sharded: shardwrap.ShardedModule, optim: torch.optim.Optimizer)
             continue
         layout_pieces = handle.layout.pieces(handle.shard_comm.rank)
         for info, piece, local in zip(handle.layout.params, layout_pieces, handle.shard_params):
-            start, end = (0, info.numel) if handle.num_shards == 1 else (
-                piece.param_start,
-                piece.param_end,
+            start, end = (
+                (0, info.numel)
+                if handle.num_shards == 1
+                else (
+                    piece.param_start,
+                    piece.param_end,
+                )
             )
             state = {
                 k: v.detach().clone().reshape(-1) if v.dim() > 0 or k != "step" else v.clone()
@@ -112,7 +118,7 @@ def reference_from(snapshot: dict) -> tuple[nn.Module, torch.optim.Optimizer]:
 def check_equals_snapshot(sharded, optim, snapshot: dict) -> None:
     """Right after a load, every local piece equals the snapshot's slice, bit for bit."""
     exact = {"rtol": 0.0, "atol": 0.0}
-    for name, (shape, start, end, flat, state) in local_pieces(sharded, optim).items():
+    for name, (_shape, start, end, flat, state) in local_pieces(sharded, optim).items():
         full = snapshot["params"][name].reshape(-1)
         torch.testing.assert_close(flat, full[start:end], **exact, msg=f"param {name}")
         expected_state = snapshot["state"].get(name, {})
@@ -143,18 +149,30 @@ def train_steps(sharded, optim, reference, ref_optim, world_size, rank, first_st
         parity.check_shards(sharded, reference, exact)
 
 
-def phase(rank: int, world_size: int, strategy: str, load_from, save_to, snapshot, first_step):
-    """Build, load ``load_from`` (if any), check, train, save to ``save_to``; return pieces."""
+def phase(
+    rank: int,
+    world_size: int,
+    strategy: str,
+    load_from,
+    save_to,
+    snapshot,
+    first_step,
+    persistence_threshold: int = 0,
+):
+    """Build, load ``load_from`` (if any), check, train, save to ``save_to``; return pieces.
+
+    ``persistence_threshold``: ``ShardedModule``'s ``param_persistence_threshold``.
+    """
     if load_from is None:
         torch.manual_seed(1234)
         model = models.TinyGPT()
         reference = copy.deepcopy(model)
-        sharded = wrap(model, world_size, strategy)
+        sharded = wrap(model, world_size, strategy, persistence_threshold)
         optim = parity.make_optimizer(sharded, "adamw")
         ref_optim = parity.make_optimizer(reference, "adamw")
     else:
         torch.manual_seed(7 + first_step)  # a different init: the load must overwrite it
-        sharded = wrap(models.TinyGPT(), world_size, strategy)
+        sharded = wrap(models.TinyGPT(), world_size, strategy, persistence_threshold)
         optim = parity.make_optimizer(sharded, "adamw")
         extra = load_checkpoint(load_from, sharded, optim)
         assert extra == {"step": first_step, "note": "tuple→list", "pair": [1, 2]}, extra

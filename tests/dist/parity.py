@@ -26,6 +26,7 @@ class Case:
     backward_prefetch: str | None = "BACKWARD_PRE"
     keep_root_gathered: bool = False  # set_reshard_after_forward(False) on the root
     reduce_bucket_bytes: int = 0  # set_reduce_bucket_size
+    param_persistence_threshold: int = 0  # units under this many elements stay whole
 
 
 def build_model(kind: str) -> nn.Module:
@@ -73,6 +74,7 @@ def wrap_case(model: nn.Module, case: Case) -> shardwrap.ShardedModule:
         auto_wrap_policy=wrap_policy(case.model) if case.nested else None,
         forward_prefetch=case.forward_prefetch,
         backward_prefetch=case.backward_prefetch,
+        param_persistence_threshold=case.param_persistence_threshold,
         **kwargs,
     )
     if case.keep_root_gathered:
