@@ -27,6 +27,10 @@ two copies of that unit) and allocator slack. Gradients handed to the optimizer 
 optimizer state are in the master dtype, as torch's optimizers keep their state in the
 parameter's dtype.
 
+With ``param_persistence_threshold`` (see [Note: parameter persistence]) a unit under
+the threshold counts as one shard: whole parameters, gradients and optimizer state on
+every rank, and nothing gathered unless it is cast. ``N`` then applies to the other units.
+
 Offload moves categories off the device: ``"cpu"`` puts parameter shards, optimizer
 state and (ZeRO-2/3) gradient shards in host memory; ``"disk"`` puts parameter shards
 and optimizer state in files (memory-mapped).
@@ -43,6 +47,7 @@ from torch import nn
 
 from .layout import FlatLayout, padded_numel
 from .options import ShardingStrategy
+from .persistence import check_threshold, is_persistent
 from .policies import as_policy, select_units
 from .units import assign_params, collect_params
 
@@ -120,6 +125,7 @@ def estimate_memory(
     largest_unit_params: int | None = None,
     rank: int | None = None,
     backward_prefetch: bool = True,
+    param_persistence_threshold: int = 0,
 ) -> MemoryEstimate | tuple[MemoryEstimate, ...]:
     """Bytes each rank holds, by category; see the module's note for every formula.
 
@@ -133,6 +139,7 @@ def estimate_memory(
     ``backward_prefetch``: ``ShardedModule``'s default (``BACKWARD_PRE``) gathers the next
     unit while one computes (ZeRO-3 holds one unit more); False for ``None``/``BACKWARD_POST``.
     ``rank``: whose shard to count (default: the most loaded rank, category by category).
+    ``param_persistence_threshold``: as ``ShardedModule``'s (units under it stay whole).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
@@ -151,9 +158,17 @@ def estimate_memory(
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < {world_size}, got {rank}")
     strategies = _strategies(strategy, stage)
+    threshold = check_threshold(param_persistence_threshold)
     estimates = tuple(
         _estimate_one(
-            _sizes(model_or_num_params, member, world_size, auto_wrap_policy, largest_unit_params),
+            _sizes(
+                model_or_num_params,
+                member,
+                world_size,
+                auto_wrap_policy,
+                largest_unit_params,
+                threshold,
+            ),
             member,
             world_size,
             elem,
@@ -193,28 +208,37 @@ def _num_shards(strategy: ShardingStrategy, world_size: int) -> int:
     return 1 if strategy is ShardingStrategy.NO_SHARD else world_size
 
 
+def _unit_layout(named: list[tuple[str, tuple[int, ...], bool]], num_shards: int, threshold: int):
+    """A unit's layout as ``ShardedModule`` builds it: one shard if it is persistent."""
+    numel = sum(torch.Size(shape).numel() for _, shape, _ in named)
+    return FlatLayout.build(named, 1 if is_persistent(numel, threshold) else num_shards)
+
+
 def _sizes(
     source: nn.Module | int | float,
     strategy: ShardingStrategy,
     world_size: int,
     auto_wrap_policy: Any,
     largest_unit_params: int | None,
+    threshold: int = 0,
 ) -> _ModelSizes:
     num_shards = _num_shards(strategy, world_size)
     if isinstance(source, nn.Module):
         if largest_unit_params is not None:
             raise ValueError("largest_unit_params: only for a parameter count, not a module")
-        return _module_sizes(source, num_shards, auto_wrap_policy)
+        return _module_sizes(source, num_shards, auto_wrap_policy, threshold)
     if isinstance(source, bool) or not isinstance(source, (int, float)) or source < 1:
         raise TypeError(
             f"model_or_num_params: expected an nn.Module or a positive count, got {source!r}"
         )
     if auto_wrap_policy is not None:
         raise ValueError("auto_wrap_policy: only for a module, not a parameter count")
-    return _count_sizes(int(source), num_shards, largest_unit_params)
+    return _count_sizes(int(source), num_shards, largest_unit_params, threshold)
 
 
-def _count_sizes(num_params: int, num_shards: int, largest_unit_params: int | None) -> _ModelSizes:
+def _count_sizes(
+    num_params: int, num_shards: int, largest_unit_params: int | None, threshold: int = 0
+) -> _ModelSizes:
     """A parameter count as two units: the largest one and the root holding the rest.
 
     For ZeRO-3 the peak counts only the largest unit (a model whose root holds little).
@@ -222,22 +246,25 @@ def _count_sizes(num_params: int, num_shards: int, largest_unit_params: int | No
     largest = num_params if largest_unit_params is None else int(largest_unit_params)
     if not 1 <= largest <= num_params:
         raise ValueError(f"largest_unit_params: expected 1..{num_params}, got {largest}")
-    largest_layout = FlatLayout.build([("largest_unit", (largest,), True)], num_shards)
+    largest_layout = _unit_layout([("largest_unit", (largest,), True)], num_shards, threshold)
     units = [_UnitSizes(largest_layout, ())]
     if largest < num_params:
-        rest = FlatLayout.build([("rest", (num_params - largest,), True)], num_shards)
+        rest = _unit_layout([("rest", (num_params - largest,), True)], num_shards, threshold)
         units = [_UnitSizes(rest, ()), units[0]]
     return _ModelSizes(tuple(units), 0, chain_numel=largest_layout.padded_numel)
 
 
-def _module_sizes(model: nn.Module, num_shards: int, auto_wrap_policy: Any) -> _ModelSizes:
+def _module_sizes(
+    model: nn.Module, num_shards: int, auto_wrap_policy: Any, threshold: int = 0
+) -> _ModelSizes:
     """Units exactly as ``ShardedModule`` builds them (same policy, same layouts)."""
     unit_modules = [model, *select_units(model, as_policy(auto_wrap_policy), set())]
     owned = assign_params(model, unit_modules[1:], collect_params(model, set(), set()))
     layouts = [
-        FlatLayout.build(
+        _unit_layout(
             [(r.fqn, tuple(r.param.shape), r.param.requires_grad) for r in owned[id(m)]],
             num_shards,
+            threshold,
         )
         for m in unit_modules
     ]
@@ -259,37 +286,44 @@ def _module_sizes(model: nn.Module, num_shards: int, auto_wrap_policy: Any) -> _
     return _ModelSizes(units, buffers)
 
 
-def _chain(sizes: _ModelSizes, index: int) -> tuple[int, frozenset[int]]:
-    """Elements of the largest path of nested units from ``index`` down, and its units."""
+def _gathered_numel(layout: FlatLayout, e: _Bytes) -> int:
+    """Elements a unit gathers: none when its one shard is the full tensor, uncast."""
+    return layout.padded_numel if layout.num_shards > 1 or e.compute != e.master else 0
+
+
+def _chain(sizes: _ModelSizes, index: int, e: _Bytes) -> tuple[int, frozenset[int]]:
+    """Gathered elements of the largest path of nested units from ``index`` down, its units."""
     unit = sizes.units[index]
     best: tuple[int, frozenset[int]] = (0, frozenset())
     for nested in unit.nested:
-        candidate = _chain(sizes, nested)
+        candidate = _chain(sizes, nested, e)
         if candidate[0] > best[0]:
             best = candidate
-    return unit.layout.padded_numel + best[0], best[1] | {index}
+    return _gathered_numel(unit.layout, e) + best[0], best[1] | {index}
 
 
-def _zero3_peak(sizes: _ModelSizes, prefetch: bool) -> tuple[int, int]:
+def _zero3_peak(sizes: _ModelSizes, prefetch: bool, e: _Bytes) -> tuple[int, int]:
     """(chain, the unit prefetched next to it) in elements."""
     if sizes.chain_numel is not None:  # a parameter count: the next unit is as large
-        several = len(sizes.units) > 1
-        return sizes.chain_numel, sizes.chain_numel if prefetch and several else 0
-    chain, members = _chain(sizes, 0)
-    others = [u.layout.padded_numel for i, u in enumerate(sizes.units) if i not in members]
+        largest = _gathered_numel(sizes.units[-1].layout, e)
+        return largest, largest if prefetch and len(sizes.units) > 1 else 0
+    chain, members = _chain(sizes, 0, e)
+    others = [_gathered_numel(u.layout, e) for i, u in enumerate(sizes.units) if i not in members]
     return chain, max(others, default=0) if prefetch else 0
 
 
 def _shard_numels(sizes: _ModelSizes, rank: int | None) -> tuple[int, int]:
     """(shard elements, trainable elements in the shard) of ``rank`` (or the largest)."""
-    num_shards = sizes.units[0].layout.num_shards
+    num_shards = max(u.layout.num_shards for u in sizes.units)
     ranks = range(num_shards) if rank is None else [rank % num_shards]
-    shard = max(sum(u.layout.shard_numel for u in sizes.units) for _ in ranks)
+    shard = sum(u.layout.shard_numel for u in sizes.units)
     trainable = max(
         sum(
             piece.numel
             for u in sizes.units
-            for info, piece in zip(u.layout.params, u.layout.pieces(r), strict=True)
+            for info, piece in zip(
+                u.layout.params, u.layout.pieces(r % u.layout.num_shards), strict=True
+            )
             if info.requires_grad
         )
         for r in ranks
@@ -304,15 +338,15 @@ class _Bytes:
 
 
 def _gathered(
-    sizes: _ModelSizes, strategy: ShardingStrategy, n: int, e: _Bytes, prefetch: bool
+    sizes: _ModelSizes, strategy: ShardingStrategy, e: _Bytes, prefetch: bool
 ) -> tuple[int, str]:
-    if n == 1 and e.compute == e.master:
+    if all(_gathered_numel(u.layout, e) == 0 for u in sizes.units):
         return 0, "0 (one shard, no cast: the full buffer is the shard)"
     if strategy is ShardingStrategy.FULL_SHARD:
-        chain, ahead = _zero3_peak(sizes, prefetch)
+        chain, ahead = _zero3_peak(sizes, prefetch, e)
         formula = f"(chain + next unit) c = ({chain:,} + {ahead:,}) x {e.compute}"
         return (chain + ahead) * e.compute, formula
-    padded = sum(u.layout.padded_numel for u in sizes.units)
+    padded = sum(_gathered_numel(u.layout, e) for u in sizes.units)
     return padded * e.compute, f"P c = {padded:,} x {e.compute}"
 
 
@@ -334,13 +368,13 @@ def _estimate_one(
     rank: int | None,
     prefetch: bool,
 ) -> MemoryEstimate:
-    n = sizes.units[0].layout.num_shards
+    n = max(u.layout.num_shards for u in sizes.units)
     trainable = sum(i.numel for u in sizes.units for i in u.layout.params if i.requires_grad)
     shard, trainable_shard = _shard_numels(sizes, rank)
     sharded_grads = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
-    gathered, gathered_formula = _gathered(sizes, strategy, n, elem, prefetch)
+    gathered, gathered_formula = _gathered(sizes, strategy, elem, prefetch)
     grads, grads_formula = _gradients(strategy, trainable, trainable_shard, elem)
-    per_tensor = trainable if n == 1 else trainable_shard
+    per_tensor = trainable_shard  # all of them when n == 1; persistent units whole
     over_n = "" if n == 1 else " / N"
     b = elem.master
     shard_home = {None: Location.DEVICE, "cpu": Location.HOST, "disk": Location.DISK}[offload]

@@ -15,6 +15,7 @@ import torch
 
 import shardwrap
 from shardwrap.collectives import ROOT_LABEL
+from shardwrap.planner import estimate_memory
 from tests.dist.ckpt_workers import STEPS_PER_PHASE, assemble, phase
 from tests.dist.harness import run_ranks
 from tests.dist.parity import (
@@ -28,6 +29,8 @@ from tests.dist.parity import (
     train_and_compare,
     wrap_case,
 )
+from tests.dist.test_planner import _check as check_planner_rows
+from tests.dist.test_planner import _planner_worker
 
 ROOT_ONLY = 5_000  # TinyGPT: the root unit (3,680) is persistent, the blocks (12,608) not
 EVERY_UNIT = 20_000  # TinyGPT: every unit is persistent
@@ -137,6 +140,29 @@ def test_checkpoint_resumes_across_thresholds_and_world_sizes(tmp_path) -> None:
         )
         snapshot = assemble(pieces)
         previous = target
+
+
+def _planner_rows_worker(rank: int, world_size: int) -> list[tuple]:
+    gpt_cases = [("gpt", None), ("gpt", torch.bfloat16)]
+    return _planner_worker(rank, world_size, gpt_cases, ROOT_ONLY) + _planner_worker(
+        rank, world_size, [("mlp", None)], MLP_OUTER
+    )
+
+
+def test_planner_matches_bytes_held_with_persistent_units() -> None:
+    """Every stage, fp32 and bf16 compute, persistent units: within the planner's 5%."""
+    for rank_rows in run_ranks(_planner_rows_worker, 2):
+        check_planner_rows(rank_rows)
+
+
+def test_planner_counts_a_persistent_unit_whole() -> None:
+    num_params = 10_000
+    sharded = estimate_memory(num_params, world_size=4, stage=3)
+    whole = estimate_memory(num_params, world_size=4, stage=3, param_persistence_threshold=10**6)
+    assert sharded.bytes("parameters") == num_params * 4 // 4
+    assert whole.bytes("parameters") == num_params * 4
+    assert whole.bytes("optimizer_state") == 2 * num_params * 4
+    assert whole.bytes("gathered_parameters") == 0 < sharded.bytes("gathered_parameters")
 
 
 def _bad_threshold(value) -> None:

@@ -19,7 +19,7 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _measure(model_kind: str, stage: int, rank: int, compute_dtype) -> dict[str, int]:
+def _measure(model_kind: str, stage: int, rank: int, compute_dtype, threshold=0) -> dict[str, int]:
     """Train one step and record what this rank holds, category by category."""
     precision = shardwrap.MixedPrecision(param_dtype=compute_dtype) if compute_dtype else None
     model = shardwrap.ShardedModule(
@@ -27,6 +27,7 @@ def _measure(model_kind: str, stage: int, rank: int, compute_dtype) -> dict[str,
         sharding_strategy=STAGE_STRATEGIES[stage],
         auto_wrap_policy=wrap_policy(model_kind),
         mixed_precision=precision,
+        param_persistence_threshold=threshold,
     )
     optim = make_optimizer(model, "adamw")
     handles = [u.handle for u in model.units if u.handle is not None]
@@ -46,7 +47,9 @@ def _measure(model_kind: str, stage: int, rank: int, compute_dtype) -> dict[str,
         watch(handle, "start_unshard")  # a prefetch allocates before the unit needs it
     # step 1 uses every parameter (TinyGPT's `extra` branch too)
     loss_for(model_kind, model, batch_for(model_kind, rank), step=1).backward()
-    grads = [p.grad for h in handles for p in [*h.shard_params, *h.full_params] if p.grad is not None]
+    grads = [
+        p.grad for h in handles for p in [*h.shard_params, *h.full_params] if p.grad is not None
+    ]
     held_grads = _bytes(grads)
     optim.step()
     return {
@@ -58,11 +61,12 @@ def _measure(model_kind: str, stage: int, rank: int, compute_dtype) -> dict[str,
     }
 
 
-def _planner_worker(rank: int, world_size: int) -> list[tuple]:
+def _planner_worker(rank: int, world_size: int, cases=CASES, threshold: int = 0) -> list[tuple]:
+    """Rows (case, stage, category, held, estimated); ``threshold``: persistence threshold."""
     rows = []
-    for model_kind, compute_dtype in CASES:
+    for model_kind, compute_dtype in cases:
         for stage in STAGE_STRATEGIES:
-            measured = _measure(model_kind, stage, rank, compute_dtype)
+            measured = _measure(model_kind, stage, rank, compute_dtype, threshold)
             with torch.device("meta"):  # the planner needs no real parameters
                 unwrapped = build_model(model_kind)
             estimate = estimate_memory(
@@ -72,6 +76,7 @@ def _planner_worker(rank: int, world_size: int) -> list[tuple]:
                 auto_wrap_policy=wrap_policy(model_kind),
                 compute_dtype=compute_dtype,
                 rank=rank,
+                param_persistence_threshold=threshold,
             )
             for category, held in measured.items():
                 case = f"{model_kind} ({compute_dtype or 'fp32'})"
