@@ -11,6 +11,12 @@ Some ``zero_optimization`` keys tune how DeepSpeed schedules its communication
 They never change results. shardwrap communicates one flat buffer per wrapped unit, so
 its "bucket" is the unit; these keys are validated and kept on :class:`ZeroConfig` but
 do not alter the schedule (docs/deepspeed.md lists each one).
+
+One exception: ``stage3_param_persistence_threshold``, *when the config gives it* at
+stage 3, becomes ``ShardedModule``'s ``param_persistence_threshold``
+(``ZeroConfig.unit_persistence_threshold``). DeepSpeed's threshold is per parameter and
+ours per unit, so DeepSpeed's default (1e5) is not applied: on a small model it would
+keep whole transformer blocks replicated, far more than DeepSpeed keeps.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     round_robin_gradients: bool = False
     ignore_unused_parameters: bool = True
+    # Not a config key: stage3_param_persistence_threshold when the config sets it at
+    # stage 3, else 0 (off); ShardedModule's param_persistence_threshold.
+    unit_persistence_threshold: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -286,7 +295,7 @@ _ZERO_SIZES = (
 
 
 def _parse_zero(raw: dict) -> ZeroConfig:
-    known = set(ZeroConfig.__dataclass_fields__)
+    known = set(ZeroConfig.__dataclass_fields__) - {"unit_persistence_threshold"}
     section = Section("zero_optimization", raw, known=known, unsupported=_ZERO_UNSUPPORTED)
     stage = section.integer("stage", 0)
     if stage not in (0, 1, 2, 3):
@@ -298,6 +307,8 @@ def _parse_zero(raw: dict) -> ZeroConfig:
         values[name] = section.boolean(name, getattr(defaults, name))
     for name in _ZERO_SIZES:
         values[name] = section.integer(name, getattr(defaults, name))
+    if stage == 3 and section.has("stage3_param_persistence_threshold"):
+        values["unit_persistence_threshold"] = values["stage3_param_persistence_threshold"]
     values["offload_param"] = _parse_offload_param(section.section("offload_param"))
     values["offload_optimizer"] = _parse_offload_optimizer(section.section("offload_optimizer"))
     if values["offload_param"].device is not OffloadDevice.NONE and stage != 3:

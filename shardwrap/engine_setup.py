@@ -76,6 +76,13 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
                 f"model: already a ShardedModule with {model.sharding_strategy.name}, but "
                 f"zero_optimization.stage {zero.stage} means {strategy.name}"
             )
+        threshold = zero.unit_persistence_threshold
+        if threshold and threshold != model.param_persistence_threshold:
+            raise ValueError(
+                f"model: a ShardedModule with param_persistence_threshold="
+                f"{model.param_persistence_threshold}, but the config's "
+                f"zero_optimization.stage3_param_persistence_threshold is {threshold}"
+            )
         return model
     return ShardedModule(
         model,
@@ -83,6 +90,7 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
         auto_wrap_policy=auto_wrap_policy,
         cpu_offload=cpu_offload,
         mixed_precision=mixed_precision_of(config),
+        param_persistence_threshold=zero.unit_persistence_threshold,
     )
 
 

@@ -15,7 +15,9 @@ import torch
 
 import shardwrap
 from shardwrap.collectives import ROOT_LABEL
+from shardwrap.ds_config import DeepSpeedConfig
 from shardwrap.planner import estimate_memory
+from tests.dist import engine_cases
 from tests.dist.ckpt_workers import STEPS_PER_PHASE, assemble, phase
 from tests.dist.harness import run_ranks
 from tests.dist.parity import (
@@ -163,6 +165,46 @@ def test_planner_counts_a_persistent_unit_whole() -> None:
     assert whole.bytes("parameters") == num_params * 4
     assert whole.bytes("optimizer_state") == 2 * num_params * 4
     assert whole.bytes("gathered_parameters") == 0 < sharded.bytes("gathered_parameters")
+
+
+def _engine_worker(rank: int, world_size: int) -> list[bool]:
+    """Stage 3 through ``initialize`` with the DeepSpeed key, against the reference."""
+    model = build_model("gpt")
+    reference = engine_cases.Reference(copy.deepcopy(model), clipping=0.5)
+    config = engine_cases.ds_config(stage=3, accumulation=2, clipping=0.5)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = ROOT_ONLY
+    engine, _, _, _ = shardwrap.initialize(
+        model=model, config=config, auto_wrap_policy=engine_cases.wrap_policy("gpt")
+    )
+    for step in range(2):
+        reference.step(step, world_size, accumulation=2)
+        engine_cases.engine_step(engine, rank, step, world_size, accumulation=2)
+        check_shards(engine.module, reference.model, exact=False)
+    return [u.handle.num_shards == 1 for u in engine.module.units]
+
+
+def test_engine_maps_the_deepspeed_threshold() -> None:
+    assert run_ranks(_engine_worker, 2) == [[True, False, False]] * 2
+
+
+def _zero(**zero) -> object:
+    return DeepSpeedConfig.load(
+        {"train_batch_size": 8, "zero_optimization": zero}
+    ).zero_optimization
+
+
+def test_deepspeed_threshold_applies_only_when_given_at_stage_3() -> None:
+    assert (
+        _zero(stage=3, stage3_param_persistence_threshold=1e4).unit_persistence_threshold == 10**4
+    )
+    # DeepSpeed's default is per parameter: not applied to whole units
+    default = _zero(stage=3)
+    assert default.stage3_param_persistence_threshold == 100_000
+    assert default.unit_persistence_threshold == 0
+    # stages 1-2 never partition parameters in DeepSpeed: the stage-3 key does nothing
+    assert _zero(stage=2, stage3_param_persistence_threshold=10).unit_persistence_threshold == 0
+    with pytest.raises(ValueError, match="unknown key 'unit_persistence_threshold'"):
+        _zero(stage=3, unit_persistence_threshold=10)
 
 
 def _bad_threshold(value) -> None:
