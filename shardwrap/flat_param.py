@@ -244,6 +244,21 @@ class FlatParamHandle:
     def gather_in_flight(self) -> bool:
         return self._gather_work is not None
 
+    def accept_gathered(self, full_by_rank: torch.Tensor, *, version: int) -> None:
+        """Take the gathered parameters from a fused all-gather ([Note: all-gather buckets]).
+
+        ``full_by_rank``: ``(num_shards, shard_numel)``, rank r's shard in row r;
+        ``version``: ``flat_shard._version`` when the shards were read.
+        """
+        storage = self.flat_full.untyped_storage()
+        needed = self.flat_full.numel() * self.flat_full.element_size()
+        if storage.size() != needed:
+            storage.resize_(needed)
+        # As for a plain all-gather: see [Note: version counters].
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+            self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)
+        self._gathered_version = version
+
     def reshard(self, *, free: bool) -> None:
         """Show the shard views; release the gathered storage when ``free``."""
         self._show(self.shard_params)

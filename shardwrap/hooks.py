@@ -66,6 +66,7 @@ class Unit:
         runtime.record_forward(self)
         self.forward_depth += 1
         if self.handle is not None:
+            runtime.schedule.before_forward_unshard(self)
             self.handle.unshard()
         runtime.schedule.after_pre_forward(self)
         if self.state is TrainingState.IDLE:
@@ -97,6 +98,7 @@ class Unit:
             self.state = TrainingState.FORWARD
         if self.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
             if self.handle is not None:
+                runtime.schedule.before_backward_unshard(self, runtime.execution_order)
                 self.handle.unshard()
             self.state = TrainingState.BACKWARD
             runtime.schedule.after_pre_backward(self, runtime.execution_order)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import gather_bucket
 from .bucketing import ReduceBucket
 from .flat_param import FlatParamHandle
 from .options import BackwardPrefetch
@@ -42,6 +43,7 @@ class Schedule:
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
         self.reduce_bucket_bytes = 0  # 0: each unit reduces alone; see [Note: reduce buckets]
+        self.all_gather_bucket_bytes = 0  # 0: each unit gathers alone; [Note: all-gather buckets]
         self.previous_forward_order: list[Unit] = []  # the last completed step's order
         self._reducing: list[FlatParamHandle] = []  # reductions issued and not yet waited
         self._bucket = ReduceBucket()  # units waiting to be reduced together
@@ -72,6 +74,32 @@ class Schedule:
             if candidate is not unit and candidate.state is TrainingState.FORWARD:
                 _prefetch(candidate)
                 return
+
+    # ------------------------------------------------------ all-gather buckets
+    def before_forward_unshard(self, unit: Unit) -> None:
+        """Gather ``unit`` with the units that followed it last step (if bucketing)."""
+        order = self.previous_forward_order
+        if unit in order:
+            self._gather_bucket(unit, order[order.index(unit) + 1 :])
+
+    def before_backward_unshard(self, unit: Unit, execution_order: list[Unit]) -> None:
+        """Gather ``unit`` with the units whose backward comes next (if bucketing)."""
+        from .hooks import TrainingState
+
+        upcoming = [
+            u
+            for u in reversed(execution_order)
+            if u is not unit and u.state is TrainingState.FORWARD
+        ]
+        self._gather_bucket(unit, upcoming)
+
+    def _gather_bucket(self, unit: Unit, upcoming: list[Unit]) -> None:
+        if self.all_gather_bucket_bytes <= 0 or not gather_bucket.needs_gather(unit.handle):
+            return
+        handles = (u.handle for u in upcoming if u.handle is not None)
+        members = gather_bucket.collect(unit.handle, handles, self.all_gather_bucket_bytes)
+        if len(members) > 1:
+            gather_bucket.gather_together(members)
 
     # ----------------------------------------------------------- reductions
     def start_reduce(self, handle: FlatParamHandle) -> None:
@@ -121,6 +149,9 @@ class Schedule:
             if handle is not None and handle.gather_in_flight:
                 handle.unshard()
                 handle.reshard(free=unit.strategy.free_after_backward)
+            elif handle is not None and unit.strategy.free_after_backward:
+                if handle.full_storage_bytes:  # gathered by a bucket, then not used this step
+                    handle.reshard(free=True)
 
 
 def _prefetch(unit: Unit) -> None:

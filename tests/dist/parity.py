@@ -27,6 +27,7 @@ class Case:
     keep_root_gathered: bool = False  # set_reshard_after_forward(False) on the root
     reduce_bucket_bytes: int = 0  # set_reduce_bucket_size
     param_persistence_threshold: int = 0  # units under this many elements stay whole
+    all_gather_bucket_bytes: int = 0  # set_all_gather_bucket_size
 
 
 def build_model(kind: str) -> nn.Module:
@@ -80,6 +81,7 @@ def wrap_case(model: nn.Module, case: Case) -> shardwrap.ShardedModule:
     if case.keep_root_gathered:
         sharded.set_reshard_after_forward(False)
     sharded.set_reduce_bucket_size(case.reduce_bucket_bytes)
+    sharded.set_all_gather_bucket_size(case.all_gather_bucket_bytes)
     return sharded
 
 

@@ -1,0 +1,87 @@
+"""Fusing the all-gathers of consecutive units into one collective.
+
+[Note: all-gather buckets]
+The all-gather of a small unit costs mostly its fixed latency. With a byte budget set
+(``ShardedModule.set_all_gather_bucket_size``), a unit that has to be gathered right
+now takes along the units that come next (in the previous step's forward order during
+forward, in the order backward will reach them during backward), as long as they need a
+gather too, share its shard group and compute dtype, and their gathered buffers fit the
+budget together. One all-gather then moves all of them:
+
+* input: each member's shard (cast to the compute dtype), end to end;
+* output: rank by rank, those inputs, i.e. a ``(num_shards, sum of shard sizes)`` matrix
+  whose columns ``[offset, offset + shard_numel)`` are one member's gathered buffer in
+  rank-major order, exactly what its own all-gather would have written.
+
+Each member copies its columns into its ``flat_full`` and records the shard version it
+gathered, so its own unshard finds the copy current and issues nothing. The bytes moved
+are the same as unit by unit; the count of collectives drops. The price: members are
+gathered before they compute, so up to the budget of gathered parameters is held ahead,
+and the fused gather is waited for at once (it is not overlapped like a prefetch).
+A member gathered but not used in the step is released at the end of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .flat_param import FlatParamHandle
+
+
+def needs_gather(handle: FlatParamHandle) -> bool:
+    """Whether ``handle``'s gathered copy is stale and would be all-gathered."""
+    return (
+        handle.num_shards > 1
+        and handle.separate_full
+        and not handle.gather_in_flight
+        and not handle.full_is_current
+    )
+
+
+def _compatible(first: FlatParamHandle, other: FlatParamHandle) -> bool:
+    return (
+        other.shard_comm.group is first.shard_comm.group
+        and other.num_shards == first.num_shards
+        and other.compute_dtype == first.compute_dtype
+        and other.flat_shard.device == first.flat_shard.device
+    )
+
+
+def _full_bytes(handle: FlatParamHandle) -> int:
+    return handle.flat_full.numel() * handle.flat_full.element_size()
+
+
+def collect(
+    first: FlatParamHandle, upcoming: Iterable[FlatParamHandle], budget_bytes: int
+) -> list[FlatParamHandle]:
+    """``first`` and the consecutive ``upcoming`` handles that fit one bucket."""
+    members = [first]
+    total = _full_bytes(first)
+    for handle in upcoming:
+        if handle in members or not needs_gather(handle) or not _compatible(first, handle):
+            break
+        if total + _full_bytes(handle) > budget_bytes:
+            break
+        members.append(handle)
+        total += _full_bytes(handle)
+    return members
+
+
+def gather_together(members: list[FlatParamHandle]) -> None:
+    """One all-gather for every member; each ends with a current ``flat_full``."""
+    first = members[0]
+    versions = [h.flat_shard._version for h in members]
+    fused_input = torch.cat([h.flat_shard.detach().to(h.compute_dtype) for h in members])
+    fused_output = torch.empty(
+        first.num_shards * fused_input.numel(), dtype=fused_input.dtype, device=fused_input.device
+    )
+    label = f"{first.comm_label}..{members[-1].comm_label} ({len(members)} units)"
+    first.shard_comm.all_gather(fused_output, fused_input, purpose="params", unit=label).wait()
+    by_rank = fused_output.view(first.num_shards, -1)  # row r: rank r's shards, end to end
+    offset = 0
+    for handle, version in zip(members, versions, strict=True):
+        width = handle.layout.shard_numel
+        handle.accept_gathered(by_rank[:, offset : offset + width], version=version)
+        offset += width

@@ -1,0 +1,90 @@
+"""All-gather buckets: fewer collectives, the same bytes, the same numbers.
+
+TinyGPT's units gather 14,720 (root) and 50,432 bytes (each block) in fp32 on two ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwrap.collectives import ROOT_LABEL
+from tests import models
+from tests.dist.harness import run_ranks
+from tests.dist.parity import Case, build_model, make_optimizer, train_and_compare, wrap_case
+
+EVERYTHING = 1 << 30  # every unit in one bucket
+ROOT_AND_A_BLOCK = 70_000  # root + one block fit, a second block does not: mixed buckets
+NUM_UNITS = 3
+
+SCHEDULES = [
+    {"all_gather_bucket_bytes": EVERYTHING},
+    {"all_gather_bucket_bytes": ROOT_AND_A_BLOCK, "forward_prefetch": True},
+    {"all_gather_bucket_bytes": ROOT_AND_A_BLOCK, "backward_prefetch": "BACKWARD_POST"},
+    {"all_gather_bucket_bytes": EVERYTHING, "keep_root_gathered": True},
+    {"all_gather_bucket_bytes": EVERYTHING, "reduce_bucket_bytes": EVERYTHING},
+    {"all_gather_bucket_bytes": EVERYTHING, "param_persistence_threshold": 5_000},
+    {"all_gather_bucket_bytes": 2_000, "model": "mlp"},  # two of the four linear units
+]
+
+
+def _parity_worker(rank: int, world_size: int, strategies: list[str]) -> int:
+    for strategy in strategies:
+        for schedule in SCHEDULES:
+            train_and_compare(rank, world_size, Case(strategy=strategy, num_steps=3, **schedule))
+    return len(strategies) * len(SCHEDULES)
+
+
+def test_buckets_match_reference() -> None:
+    strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM"]
+    assert run_ranks(_parity_worker, 2, strategies) == [len(strategies) * len(SCHEDULES)] * 2
+
+
+def test_uneven_shards_match_reference() -> None:
+    assert run_ranks(_parity_worker, 3, ["FULL_SHARD"]) == [len(SCHEDULES)] * 3
+
+
+def _traffic_worker(rank: int, world_size: int, runs: list[tuple[str, int]]) -> list[dict]:
+    """The third step's parameter all-gathers (the first has no order to bucket by)."""
+    results = []
+    for strategy, bucket_bytes in runs:
+        case = Case(strategy=strategy, all_gather_bucket_bytes=bucket_bytes)
+        model = wrap_case(build_model("gpt"), case)
+        optim = make_optimizer(model, "adamw")
+        for step in range(3):
+            model.comm_ledger.reset()
+            models.gpt_loss(model, models.gpt_batch(10 * step + rank), use_extra=True).backward()
+            optim.step()
+            optim.zero_grad()
+        ledger = model.comm_ledger
+        results.append(
+            {
+                "count": ledger.count("all_gather", "params"),
+                "bytes": ledger.bytes("all_gather", "params"),
+                "held_after": [u.handle.full_storage_bytes for u in model.units],
+                "root_label": ROOT_LABEL,
+            }
+        )
+    return results
+
+
+@pytest.mark.parametrize(
+    ("strategy", "gathers_per_unit", "fused"),
+    [("FULL_SHARD", 2, 2), ("SHARD_GRAD_OP", 1, 1), ("SHARD_OPTIM", 1, 1)],
+)
+def test_fewer_all_gathers_same_bytes(strategy: str, gathers_per_unit: int, fused: int) -> None:
+    off, on = run_ranks(_traffic_worker, 2, [(strategy, 0), (strategy, EVERYTHING)])[0]
+    assert off["count"] == gathers_per_unit * NUM_UNITS
+    assert on["count"] == fused  # one bucket for forward (and one for backward)
+    assert on["bytes"] == off["bytes"] > 0
+    assert on["held_after"] == off["held_after"]  # nothing gathered is left behind
+
+
+def test_bucket_size_is_validated(one_rank) -> None:
+    import shardwrap
+
+    model = shardwrap.ShardedModule(build_model("mlp"))
+    with pytest.raises(TypeError, match="num_bytes"):
+        model.set_all_gather_bucket_size(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_bytes"):
+        model.set_all_gather_bucket_size(-1)
+    model.set_all_gather_bucket_size(0)
