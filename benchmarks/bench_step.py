@@ -29,12 +29,12 @@ if __package__ in (None, ""):  # run as a script (`make bench`): make `benchmark
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gpt, report  # noqa: E402
-from benchmarks.impls import IMPLS, deepspeed_available  # noqa: E402
+from benchmarks.impls import EXPERIMENTS, IMPLS, deepspeed_available  # noqa: E402
 from benchmarks.worker import WorkerConfig, run  # noqa: E402
 
 READY_TIMEOUT_S = 900.0  # twenty processes importing torch and building models on 2 cores
 STEP_TIMEOUT_S = 600.0
-DEFAULT_IMPLS = list(IMPLS)
+DEFAULT_IMPLS = [i for i in IMPLS if i not in EXPERIMENTS]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -161,7 +161,14 @@ def _block_policy():
     return ModuleWrapPolicy({gpt.Block})
 
 
-def _shardwrap(strategy: str, *, check_collectives: bool = False):
+def _shardwrap(
+    strategy: str,
+    *,
+    check_collectives: bool = False,
+    all_gather_bucket_bytes: int = 0,
+    persistence_threshold: int = 0,
+    forward_prefetch: bool = True,
+):
     def build(model: nn.Module, **_) -> ShardwrapTrainer:
         import shardwrap
         from shardwrap.policies import ModuleWrapPolicy
@@ -170,12 +177,15 @@ def _shardwrap(strategy: str, *, check_collectives: bool = False):
             model,
             sharding_strategy=strategy,
             auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
-            forward_prefetch=True,  # the next block's all-gather overlaps this one's forward
+            # the next block's all-gather overlaps this one's forward
+            forward_prefetch=forward_prefetch,
+            param_persistence_threshold=persistence_threshold,
         )
         # As FSDP1 and FSDP2 do: the root stays gathered from forward into backward.
         wrapped.set_reshard_after_forward(False)
         # The hang-diagnosis debug mode, to measure what it costs (off by default).
         wrapped.set_collective_checks(check_collectives)
+        wrapped.set_all_gather_bucket_size(all_gather_bucket_bytes)  # experiments; 0 = off
         return ShardwrapTrainer(wrapped)
 
     return build
@@ -248,6 +258,32 @@ IMPLS: dict[str, ImplSpec] = {
             3,
             _shardwrap("FULL_SHARD", check_collectives=True),
         ),
+        # Experiments, not in the default run (see RESULTS.md): all-gather buckets of 16 MB
+        # (about four 5m blocks), with and without forward prefetch; the 5m root (279,040 elements) persistent.
+        ImplSpec(
+            "sw_full_shard_agb",
+            "shardwrap",
+            3,
+            _shardwrap("FULL_SHARD", all_gather_bucket_bytes=16 << 20),
+        ),
+        ImplSpec(
+            "sw_full_shard_noprefetch",
+            "shardwrap",
+            3,
+            _shardwrap("FULL_SHARD", forward_prefetch=False),
+        ),
+        ImplSpec(
+            "sw_full_shard_noprefetch_agb",
+            "shardwrap",
+            3,
+            _shardwrap("FULL_SHARD", forward_prefetch=False, all_gather_bucket_bytes=16 << 20),
+        ),
+        ImplSpec(
+            "sw_full_shard_persist",
+            "shardwrap",
+            3,
+            _shardwrap("FULL_SHARD", persistence_threshold=300_000),
+        ),
         ImplSpec("fsdp1_full_shard", "fsdp1", 3, _fsdp1("FULL_SHARD")),
         ImplSpec("fsdp1_shard_grad_op", "fsdp1", 2, _fsdp1("SHARD_GRAD_OP")),
         ImplSpec("fsdp2", "fsdp2", 3, _fsdp2),
@@ -267,3 +303,12 @@ def deepspeed_available() -> tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001 - any import failure means "skip it"
         return False, f"{type(exc).__name__}: {exc}"
     return True, ""
+
+
+# Variants measured for RESULTS.md, left out of the default run.
+EXPERIMENTS = (
+    "sw_full_shard_agb",
+    "sw_full_shard_noprefetch",
+    "sw_full_shard_noprefetch_agb",
+    "sw_full_shard_persist",
+)

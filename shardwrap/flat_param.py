@@ -259,6 +259,14 @@ class FlatParamHandle:
             self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)
         self._gathered_version = version
 
+    def adopt_gather(self, work: Any, *, version: int) -> None:
+        """Make ``work``, a fused all-gather in flight that fills ``flat_full`` through
+        :meth:`accept_gathered`, this unit's gather in flight ([Note: all-gather buckets]).
+        """
+        self._gather_work = work
+        self._gather_version = version
+        self._gather_version_guard = torch.autograd._unsafe_preserve_version_counter(self.flat_full)
+
     def reshard(self, *, free: bool) -> None:
         """Show the shard views; release the gathered storage when ``free``."""
         self._show(self.shard_params)

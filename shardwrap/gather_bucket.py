@@ -13,12 +13,14 @@ budget together. One all-gather then moves all of them:
   whose columns ``[offset, offset + shard_numel)`` are one member's gathered buffer in
   rank-major order, exactly what its own all-gather would have written.
 
-Each member copies its columns into its ``flat_full`` and records the shard version it
-gathered, so its own unshard finds the copy current and issues nothing. The bytes moved
-are the same as unit by unit; the count of collectives drops. The price: members are
-gathered before they compute, so up to the budget of gathered parameters is held ahead,
-and the fused gather is waited for at once (it is not overlapped like a prefetch).
-A member gathered but not used in the step is released at the end of the step.
+The fused gather is every member's gather in flight (:class:`FusedGather`): whichever
+member is needed first waits for it, and then every member copies its columns into its
+``flat_full`` and records the shard version it gathered, so the others find their
+copies current and issue nothing. Prefetches bucket the same way, so a bucket issued
+ahead overlaps computation as a single unit's prefetch does. The bytes moved are those
+of unit-by-unit gathers; the count of collectives drops. The price: up to the budget of
+gathered parameters is held ahead of use (``limit_all_gathers`` counts a bucket as one
+unit). A member gathered but not used in the step is released at the end of the step.
 """
 
 from __future__ import annotations
@@ -69,19 +71,41 @@ def collect(
     return members
 
 
-def gather_together(members: list[FlatParamHandle]) -> None:
-    """One all-gather for every member; each ends with a current ``flat_full``."""
-    first = members[0]
-    versions = [h.flat_shard._version for h in members]
-    fused_input = torch.cat([h.flat_shard.detach().to(h.compute_dtype) for h in members])
-    fused_output = torch.empty(
-        first.num_shards * fused_input.numel(), dtype=fused_input.dtype, device=fused_input.device
-    )
-    label = f"{first.comm_label}..{members[-1].comm_label} ({len(members)} units)"
-    first.shard_comm.all_gather(fused_output, fused_input, purpose="params", unit=label).wait()
-    by_rank = fused_output.view(first.num_shards, -1)  # row r: rank r's shards, end to end
-    offset = 0
-    for handle, version in zip(members, versions, strict=True):
-        width = handle.layout.shard_numel
-        handle.accept_gathered(by_rank[:, offset : offset + width], version=version)
-        offset += width
+class FusedGather:
+    """One all-gather in flight for several handles; its first wait hands each its part.
+
+    Every member holds it as its own gather in flight, so whichever member is needed (or
+    released) first waits for it, and the others then find their copies current.
+    """
+
+    def __init__(self, members: list[FlatParamHandle]) -> None:
+        first = members[0]
+        self.members = members
+        self.versions = [h.flat_shard._version for h in members]
+        # 1D: each member's shard, cast to the compute dtype, end to end; alive until done
+        self._input = torch.cat([h.flat_shard.detach().to(h.compute_dtype) for h in members])
+        # 1D: num_shards copies of such an input, rank by rank
+        self._output = torch.empty(
+            first.num_shards * self._input.numel(),
+            dtype=self._input.dtype,
+            device=self._input.device,
+        )
+        label = f"{first.comm_label}..{members[-1].comm_label} ({len(members)} units)"
+        self._work = first.shard_comm.all_gather(
+            self._output, self._input, purpose="params", unit=label
+        )
+        for handle, version in zip(members, self.versions, strict=True):
+            handle.adopt_gather(self, version=version)
+
+    def wait(self) -> bool:
+        if self._work is None:
+            return True
+        self._work.wait()
+        by_rank = self._output.view(self.members[0].num_shards, -1)  # row r: rank r's shards
+        offset = 0
+        for handle, version in zip(self.members, self.versions, strict=True):
+            width = handle.layout.shard_numel
+            handle.accept_gathered(by_rank[:, offset : offset + width], version=version)
+            offset += width
+        self._work = self._input = self._output = None
+        return True

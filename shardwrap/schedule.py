@@ -57,7 +57,7 @@ class Schedule:
         if unit in order:
             position = order.index(unit)
             if position + 1 < len(order):
-                _prefetch(order[position + 1])
+                self._prefetch(order[position + 1], order[position + 2 :])
 
     def after_pre_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
@@ -70,10 +70,18 @@ class Schedule:
     def _prefetch_next_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
         from .hooks import TrainingState
 
-        for candidate in reversed(execution_order):
-            if candidate is not unit and candidate.state is TrainingState.FORWARD:
-                _prefetch(candidate)
-                return
+        upcoming = [
+            u
+            for u in reversed(execution_order)
+            if u is not unit and u.state is TrainingState.FORWARD
+        ]
+        if upcoming:
+            self._prefetch(upcoming[0], upcoming[1:])
+
+    def _prefetch(self, unit: Unit, upcoming: list[Unit]) -> None:
+        if unit.handle is not None:
+            self._gather_bucket(unit, upcoming)  # the unit alone when no bucket forms
+            unit.handle.start_unshard()
 
     # ------------------------------------------------------ all-gather buckets
     def before_forward_unshard(self, unit: Unit) -> None:
@@ -99,7 +107,7 @@ class Schedule:
         handles = (u.handle for u in upcoming if u.handle is not None)
         members = gather_bucket.collect(unit.handle, handles, self.all_gather_bucket_bytes)
         if len(members) > 1:
-            gather_bucket.gather_together(members)
+            gather_bucket.FusedGather(members)  # every member now has its gather in flight
 
     # ----------------------------------------------------------- reductions
     def start_reduce(self, handle: FlatParamHandle) -> None:
@@ -143,8 +151,10 @@ class Schedule:
         """Remember this step's order; settle reductions and prefetches nobody used."""
         self.flush_bucket()
         self.finish_reduces()
+        # A bucket may have gathered units from the last order that this step did not run.
+        touched = list(dict.fromkeys([*forward_order, *self.previous_forward_order]))
         self.previous_forward_order = list(forward_order)
-        for unit in forward_order:
+        for unit in touched:
             handle = unit.handle
             if handle is not None and handle.gather_in_flight:
                 handle.unshard()
@@ -152,8 +162,3 @@ class Schedule:
             elif handle is not None and unit.strategy.free_after_backward:
                 if handle.full_storage_bytes:  # gathered by a bucket, then not used this step
                     handle.reshard(free=True)
-
-
-def _prefetch(unit: Unit) -> None:
-    if unit.handle is not None:
-        unit.handle.start_unshard()

@@ -43,11 +43,11 @@ def test_uneven_shards_match_reference() -> None:
     assert run_ranks(_parity_worker, 3, ["FULL_SHARD"]) == [len(SCHEDULES)] * 3
 
 
-def _traffic_worker(rank: int, world_size: int, runs: list[tuple[str, int]]) -> list[dict]:
+def _traffic_worker(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     """The third step's parameter all-gathers (the first has no order to bucket by)."""
     results = []
-    for strategy, bucket_bytes in runs:
-        case = Case(strategy=strategy, all_gather_bucket_bytes=bucket_bytes)
+    for options in runs:
+        case = Case(**options)
         model = wrap_case(build_model("gpt"), case)
         optim = make_optimizer(model, "adamw")
         for step in range(3):
@@ -61,7 +61,7 @@ def _traffic_worker(rank: int, world_size: int, runs: list[tuple[str, int]]) -> 
                 "count": ledger.count("all_gather", "params"),
                 "bytes": ledger.bytes("all_gather", "params"),
                 "held_after": [u.handle.full_storage_bytes for u in model.units],
-                "root_label": ROOT_LABEL,
+                "labels": [r.unit for r in ledger.records if r.kind == "all_gather"],
             }
         )
     return results
@@ -72,11 +72,25 @@ def _traffic_worker(rank: int, world_size: int, runs: list[tuple[str, int]]) -> 
     [("FULL_SHARD", 2, 2), ("SHARD_GRAD_OP", 1, 1), ("SHARD_OPTIM", 1, 1)],
 )
 def test_fewer_all_gathers_same_bytes(strategy: str, gathers_per_unit: int, fused: int) -> None:
-    off, on = run_ranks(_traffic_worker, 2, [(strategy, 0), (strategy, EVERYTHING)])[0]
+    runs = [{"strategy": strategy}, {"strategy": strategy, "all_gather_bucket_bytes": EVERYTHING}]
+    off, on = run_ranks(_traffic_worker, 2, runs)[0]
     assert off["count"] == gathers_per_unit * NUM_UNITS
     assert on["count"] == fused  # one bucket for forward (and one for backward)
     assert on["bytes"] == off["bytes"] > 0
     assert on["held_after"] == off["held_after"]  # nothing gathered is left behind
+
+
+def test_prefetches_issue_buckets() -> None:
+    """Root kept gathered, both prefetches on: the buckets are the prefetched gathers."""
+    common = {"forward_prefetch": True, "keep_root_gathered": True}
+    off, on = run_ranks(
+        _traffic_worker, 2, [common, {**common, "all_gather_bucket_bytes": EVERYTHING}]
+    )[0]
+    assert off["labels"] == [ROOT_LABEL, "blocks.0", "blocks.1", "blocks.1", "blocks.0"]
+    # forward: the root takes both blocks along; backward: the root's prefetch takes both
+    assert on["labels"] == [f"{ROOT_LABEL}..blocks.1 (3 units)", "blocks.1..blocks.0 (2 units)"]
+    assert on["bytes"] == off["bytes"]
+    assert on["held_after"] == off["held_after"]
 
 
 def test_bucket_size_is_validated(one_rank) -> None:
