@@ -259,7 +259,8 @@ IMPLS: dict[str, ImplSpec] = {
             _shardwrap("FULL_SHARD", check_collectives=True),
         ),
         # Experiments, not in the default run (see RESULTS.md): all-gather buckets of 16 MB
-        # (about four 5m blocks), with and without forward prefetch; the 5m root (279,040 elements) persistent.
+        # (five 5m blocks), with and without forward prefetch; the 5m root (279,040
+        # elements) persistent.
         ImplSpec(
             "sw_full_shard_agb",
             "shardwrap",
