@@ -6,11 +6,20 @@ TinyGPT's units gather 14,720 (root) and 50,432 bytes (each block) in fp32 on tw
 from __future__ import annotations
 
 import pytest
+import torch
 
+import shardwrap
 from shardwrap.collectives import ROOT_LABEL
 from tests import models
 from tests.dist.harness import run_ranks
-from tests.dist.parity import Case, build_model, make_optimizer, train_and_compare, wrap_case
+from tests.dist.parity import (
+    Case,
+    build_model,
+    make_optimizer,
+    train_and_compare,
+    wrap_case,
+    wrap_policy,
+)
 
 EVERYTHING = 1 << 30  # every unit in one bucket
 ROOT_AND_A_BLOCK = 70_000  # root + one block fit, a second block does not: mixed buckets
@@ -27,11 +36,11 @@ SCHEDULES = [
 ]
 
 
-def _parity_worker(rank: int, world_size: int, strategies: list[str]) -> int:
+def _parity_worker(rank: int, world_size: int, strategies: list[str], schedules=SCHEDULES) -> int:
     for strategy in strategies:
-        for schedule in SCHEDULES:
+        for schedule in schedules:
             train_and_compare(rank, world_size, Case(strategy=strategy, num_steps=3, **schedule))
-    return len(strategies) * len(SCHEDULES)
+    return len(strategies) * len(schedules)
 
 
 def test_buckets_match_reference() -> None:
@@ -40,7 +49,8 @@ def test_buckets_match_reference() -> None:
 
 
 def test_uneven_shards_match_reference() -> None:
-    assert run_ranks(_parity_worker, 3, ["FULL_SHARD"]) == [len(SCHEDULES)] * 3
+    schedules = SCHEDULES[:3]  # three ranks pad every unit: mixed buckets, both prefetches
+    assert run_ranks(_parity_worker, 3, ["FULL_SHARD"], schedules) == [len(schedules)] * 3
 
 
 def _traffic_worker(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
@@ -93,9 +103,35 @@ def test_prefetches_issue_buckets() -> None:
     assert on["held_after"] == off["held_after"]
 
 
-def test_bucket_size_is_validated(one_rank) -> None:
-    import shardwrap
+def _bf16_twins_worker(rank: int, world_size: int) -> list[int]:
+    """bf16 compute: buckets gather the same cast values, so training is bit for bit equal."""
+    twins = []
+    for bucket_bytes in (0, EVERYTHING):
+        model = shardwrap.ShardedModule(
+            build_model("gpt"),
+            auto_wrap_policy=wrap_policy("gpt"),
+            mixed_precision=shardwrap.MixedPrecision(param_dtype=torch.bfloat16),
+            forward_prefetch=True,
+        )
+        model.set_all_gather_bucket_size(bucket_bytes)
+        twins.append((model, make_optimizer(model, "adamw")))
+    for step in range(3):
+        for model, optim in twins:
+            models.gpt_loss(model, models.gpt_batch(10 * step + rank), use_extra=True).backward()
+            optim.step()
+            optim.zero_grad()
+    (plain, _), (bucketed, _) = twins
+    for (name, a), (_, b) in zip(plain.named_parameters(), bucketed.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    return [m.comm_ledger.count("all_gather", "params") for m in (plain, bucketed)]
 
+
+def test_bf16_buckets_equal_unbucketed_bit_for_bit() -> None:
+    for plain_count, bucketed_count in run_ranks(_bf16_twins_worker, 2):
+        assert 0 < bucketed_count < plain_count
+
+
+def test_bucket_size_is_validated(one_rank) -> None:
     model = shardwrap.ShardedModule(build_model("mlp"))
     with pytest.raises(TypeError, match="num_bytes"):
         model.set_all_gather_bucket_size(1.5)  # type: ignore[arg-type]

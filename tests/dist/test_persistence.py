@@ -46,19 +46,22 @@ CASES = [
     Case(model="mlp", param_persistence_threshold=MLP_OUTER, forward_prefetch=True),
     Case(model="mlp", param_persistence_threshold=MLP_OUTER, reduce_bucket_bytes=1 << 30),
 ]
+# Two ranks in one shard group, one replica: persistent units reduce over the world.
+HYBRID = Case(strategy="HYBRID_SHARD", hybrid_shard_size=2, param_persistence_threshold=ROOT_ONLY)
 
 
 def _parity_worker(rank: int, world_size: int, strategies: list[str]) -> int:
     for strategy in strategies:
         for case in CASES:
             train_and_compare(rank, world_size, Case(**{**case.__dict__, "strategy": strategy}))
-    return len(strategies) * len(CASES)
+    train_and_compare(rank, world_size, HYBRID)
+    return len(strategies) * len(CASES) + 1
 
 
 def test_persistent_units_match_reference() -> None:
     # Three ranks (uneven padding) train against the reference in the checkpoint test.
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM"]
-    expected = len(strategies) * len(CASES)
+    expected = len(strategies) * len(CASES) + 1
     assert run_ranks(_parity_worker, 2, strategies) == [expected] * 2
 
 
@@ -86,9 +89,18 @@ def _one_step_traffic(rank: int, world_size: int, strategy: str, threshold: int)
     optim.step()
     ref_optim.step()
     check_shards(sharded, reference, exact=False)
+    reference_params = dict(reference.named_parameters())
     with sharded.summon_full_params(sharded, writeback=False):
         for name, param in sharded.named_parameters():
-            torch.testing.assert_close(param, dict(reference.named_parameters())[name])
+            torch.testing.assert_close(param, reference_params[name])
+    full = sharded.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, msg=lambda m, n=name: f"state_dict {n}: {m}")
+    optim_state = shardwrap.ShardedModule.optim_state_dict(sharded, optim)["state"]
+    for name, param in reference_params.items():
+        if param in ref_optim.state:
+            momentum = optim_state[name]["momentum_buffer"]
+            torch.testing.assert_close(momentum, ref_optim.state[param]["momentum_buffer"])
     return {
         "gathers": Counter(r.unit for r in records if r.kind == "all_gather"),
         "gather_bytes": _bytes_by_unit(r for r in records if r.kind == "all_gather"),
