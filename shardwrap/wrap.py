@@ -100,7 +100,7 @@ class ShardedModule(nn.Module):
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
         _check_unsupported(cpu_offload, module)
         self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
-            DiskStore(cpu_offload.path, collectives.world_rank())
+            DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
             if isinstance(cpu_offload, DiskOffload)
             else None
         )
