@@ -6,7 +6,8 @@ Prints, per mode: the median time of a whole iteration (forward, backward, step)
 ``optimizer.step()`` alone (wall and process CPU time); the resident set after training
 (anonymous vs file-backed); and the peak resident set (VmHWM, restarted through
 /proc/self/clear_refs) during the last iteration and during its optimizer step, each also
-as the rise over the resident set just before. Run the modes as separate processes, interleaved, and compare medians.
+as the rise over the resident set just before. Run the modes as separate processes,
+interleaved, and compare medians.
 """
 
 from __future__ import annotations
