@@ -16,15 +16,20 @@ shared file mapping this drops them from the process, while their up-to-date con
 in the file's page cache and on disk, and the next access reads them back. Between steps
 the rank then holds none of the master shards and Adam state (12 bytes per sharded
 parameter element); they come back, one access at a time, while forward and the step use
-them. Linux only; elsewhere the release is skipped.
+them. A step streamed in sub-groups releases each sub-group's pages as soon as it is
+stepped, so the step's peak holds about one sub-group of state (shardwrap/offload_stream.py).
+Linux only; elsewhere the release is skipped.
 
 [Note: optimizer state on disk]
 torch's Adam/AdamW create their state lazily (zeros and a step counter) on the first
-step. A step pre-hook fills that state beforehand with views into one mapped buffer per
-unit and state name, laid out like the shard, so the optimizer computes exactly what it
-would in memory. Other optimizers' state would stay in memory, so they are refused.
-With more than ``sub_group_size`` elements to step, the step is streamed in sub-groups
-(shardwrap/offload_stream.py, [Note: a streamed optimizer step]).
+step a parameter has a gradient. A step pre-hook on the optimizer (registered the first
+time it steps our shards, so it runs after every global pre-hook) creates that state
+beforehand, for the same parameters, as views into one mapped buffer per unit and state
+name, laid out like the shard, so the optimizer computes exactly what it would in
+memory. A slot the store has not handed out before is still the file's zeros and is not
+written (writing would make every page resident). Other optimizers' state would stay in
+memory, so they are refused. With more than ``sub_group_size`` elements to step, the step
+is streamed in sub-groups (shardwrap/offload_stream.py, [Note: a streamed optimizer step]).
 """
 
 from __future__ import annotations

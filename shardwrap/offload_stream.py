@@ -14,9 +14,13 @@ optimizer's real step then finds those parameters without a gradient and skips t
 still steps every other parameter it holds); a post-hook gives the gradients back.
 
 Adam and AdamW update each element from that element's own values, the step count and
-the hyperparameters, so stepping a piece computes exactly what stepping the whole does.
-A piece gets views of the parameter's state and a copy of its step count taken before
-any piece stepped; the stepped count is written back.
+the hyperparameters, so stepping a piece computes what stepping the whole does. To the
+bit, that needs one more thing: vectorised kernels (the fused CPU Adam among them) may
+round the leftover elements after the last full SIMD vector differently, so a piece must
+start where the whole parameter's vectors start: pieces are cut at multiples of
+``PIECE_ALIGNMENT`` elements of the parameter. A piece gets views of the parameter's
+state and a copy of its step count taken before any piece stepped; the stepped count is
+written back.
 
 The pre-hook runs after every global step pre-hook (it is registered on the optimizer),
 so a ZeRO-1 gradient reduction done in a global pre-hook has happened by then. A
@@ -36,6 +40,8 @@ from dataclasses import dataclass
 import torch
 
 _PAGE = mmap.PAGESIZE
+# Parameters are cut at multiples of this many elements (a multiple of every SIMD width).
+PIECE_ALIGNMENT = 64
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 if _libc is not None:
@@ -76,7 +82,11 @@ class Slice:
 def sub_groups(
     params: list[tuple[int, torch.Tensor]], sub_group_size: int
 ) -> Iterator[list[Slice]]:
-    """Consecutive runs of at most ``sub_group_size`` elements over ``(group, param)`` pairs."""
+    """Consecutive runs of at most ``sub_group_size`` elements over ``(group, param)`` pairs.
+
+    Parameters are cut only at multiples of ``PIECE_ALIGNMENT`` elements (see the Note), so
+    a ``sub_group_size`` below it behaves as ``PIECE_ALIGNMENT``.
+    """
     current: list[Slice] = []
     room = sub_group_size
     for group_index, param in params:
@@ -84,11 +94,20 @@ def sub_groups(
         if numel == 0:  # an empty piece (padding): the optimizer still counts its step
             current.append(Slice(group_index, param, 0, 0))
         while start < numel:
-            end = min(numel, start + room)
+            end = (
+                numel
+                if numel - start <= room
+                else start + room // PIECE_ALIGNMENT * PIECE_ALIGNMENT
+            )
+            if end == start and current:  # no aligned cut fits: this sub-group is full
+                yield current
+                current, room = [], sub_group_size
+                continue
+            end = max(end, min(numel, start + PIECE_ALIGNMENT))
             current.append(Slice(group_index, param, start, end))
             room -= end - start
             start = end
-            if room == 0:
+            if room <= 0:
                 yield current
                 current, room = [], sub_group_size
     if current:
@@ -106,6 +125,7 @@ class StreamedStep:
 
     def before_step(self, optimizer, owned: set[int], args, kwargs) -> None:
         """Step the owned parameters with gradients in sub-groups; hide their gradients."""
+        self.hidden_grads.clear()  # left over only if the last real step raised
         params = [
             (index, p)
             for index, group in enumerate(optimizer.param_groups)

@@ -8,6 +8,7 @@ import os
 import torch
 
 import shardwrap
+from shardwrap.checkpoint import load_checkpoint, save_checkpoint
 from shardwrap.offload import is_file_backed
 from tests import models
 from tests.dist.parity import build_model, wrap_policy
@@ -114,8 +115,44 @@ def streamed_matches_memory(
     return os.listdir(one_group.directory) + os.listdir(streamed.directory)
 
 
-def streamed_cases(rank: int, world_size: int, path: str) -> list[str]:
-    """ZeRO-3 with AdamW and ZeRO-1 with Adam(amsgrad) in one spawn."""
+def streamed_cases(rank: int, world_size: int, path: str, checkpoints: str) -> list[str]:
+    """ZeRO-3 with AdamW, ZeRO-1 with Adam(amsgrad), and checkpoints, in one spawn."""
     left = streamed_matches_memory(rank, world_size, path, "FULL_SHARD", _adamw)
     left += streamed_matches_memory(rank, world_size, path, "SHARD_OPTIM", _adam_amsgrad)
+    checkpoints_cross_between_disk_and_memory(rank, world_size, path, checkpoints)
     return left
+
+
+def _gpt_run(path: str | None, size: int = SMALL_SUB_GROUP):
+    offload = None if path is None else shardwrap.DiskOffload(path, sub_group_size=size)
+    model = shardwrap.ShardedModule(
+        build_model("gpt"), cpu_offload=offload, auto_wrap_policy=wrap_policy("gpt")
+    )
+    return model, _adamw(model.parameters())
+
+
+def _train(model, optim, rank: int, steps: range) -> None:
+    for step in steps:
+        models.gpt_loss(model, models.gpt_batch(100 * step + rank)).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def checkpoints_cross_between_disk_and_memory(
+    rank: int, world_size: int, path: str, checkpoints: str
+) -> None:
+    """Save from memory, resume streamed on disk; save streamed, resume in memory: exact."""
+    saved = {name: os.path.join(checkpoints, name) for name in ("memory", "disk")}
+    reference, ref_optim = _gpt_run(None)
+    _train(reference, ref_optim, rank, range(2))
+    save_checkpoint(saved["memory"], reference, ref_optim)
+    _train(reference, ref_optim, rank, range(2, 4))
+    streamed, optim = _gpt_run(path)
+    _train(streamed, optim, rank, range(2))
+    save_checkpoint(saved["disk"], streamed, optim)
+    for source, target in (("memory", path), ("disk", None)):
+        model, optim = _gpt_run(target)
+        load_checkpoint(saved[source], model, optim)
+        _train(model, optim, rank, range(2, 4))
+        for (name, kept), (_, mine) in zip(reference.named_parameters(), model.named_parameters()):
+            torch.testing.assert_close(mine, kept, rtol=0, atol=0, msg=f"{source}: {name}")

@@ -16,6 +16,8 @@ def test_disk_offload_matches_memory(tmp_path) -> None:
 
 def test_streamed_step_matches_memory(tmp_path) -> None:
     """sub_group_size cuts the step into pieces; nothing changes bit for bit (3 ranks pad)."""
-    leftovers = run_ranks(disk_cases.streamed_cases, 3, str(tmp_path))
+    scratch, checkpoints = tmp_path / "scratch", tmp_path / "checkpoints"
+    scratch.mkdir()
+    leftovers = run_ranks(disk_cases.streamed_cases, 3, str(scratch), str(checkpoints))
     assert leftovers == [[], [], []]
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(scratch) == []
