@@ -119,7 +119,9 @@ class StreamedStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, sub_group_size: int) -> None:
         self.sub_group_size = sub_group_size
-        self.step_function = type(optimizer).step.__wrapped__  # the step without its hooks
+        hooked_step = type(optimizer).step
+        assert getattr(hooked_step, "hooked", False), "torch wraps step() to run its hooks"
+        self.step_function = hooked_step.__wrapped__  # the step without its hooks
         self.hidden_grads: dict[torch.Tensor, torch.Tensor] = {}  # until the real step is done
         self.num_sub_groups = 0  # of the last streamed step (for reports and tests)
 
