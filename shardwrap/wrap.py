@@ -85,6 +85,7 @@ class ShardedModule(nn.Module):
         device_mesh: Any = None,
     ) -> None:
         super().__init__()
+        self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
         _check_module(module)
         if not collectives.is_initialized():
             raise RuntimeError(
@@ -277,6 +278,29 @@ class ShardedModule(nn.Module):
         if assign:
             raise ValueError("load_state_dict: assign=True is not supported by ShardedModule")
         return _state_dict.load_module_state_dict(self, state_dict, strict=strict)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        """Load our keys when a plain parent module's ``load_state_dict`` reaches us.
+
+        The parent walks into ``self.module`` afterwards, under the extra ``module.`` prefix
+        our keys do not have; ``_forget_inner_missing`` drops what that walk reports.
+        """
+        if local_metadata.get("assign_to_params_buffers"):
+            raise ValueError("load_state_dict: assign=True is not supported by ShardedModule")
+        ours = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        result = _state_dict.load_module_state_dict(self, ours, strict=False)
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        self._inner_prefix = prefix + "module."
+
+    @staticmethod
+    def _forget_inner_missing(module: ShardedModule, incompatible_keys) -> None:
+        inner = module.__dict__.pop("_inner_prefix", None)
+        if inner is not None:
+            missing = incompatible_keys.missing_keys
+            missing[:] = [k for k in missing if not k.startswith(inner)]
 
     # FSDP's static state-dict API (see shardwrap/state_dict.py).
     state_dict_type = staticmethod(_state_dict.state_dict_type)
