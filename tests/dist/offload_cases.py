@@ -65,6 +65,9 @@ def check_placement(sharded: shardwrap.ShardedModule, optim: torch.optim.Optimiz
         assert handle.flat_shard.device.type == "cpu"
         assert handle.flat_shard.is_pinned() == pinned
         assert _apart(handle.flat_shard, handle.flat_full), unit.name
+        if not unit.strategy.free_after_backward:  # the planner's device copy, even one shard
+            full_bytes = handle.layout.padded_numel * handle.flat_full.element_size()
+            assert handle.full_storage_bytes == full_bytes, unit.name
         for param in handle.shard_params:
             assert param.device.type == "cpu"
             assert (

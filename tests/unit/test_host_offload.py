@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import shardwrap
+from shardwrap.engine_setup import _check_prewrapped_offload
 from shardwrap.host_offload import HostStaging, host_staging_for
+from shardwrap.planner import Location, estimate_memory
 
 CPU = torch.device("cpu")
 
@@ -61,3 +65,30 @@ def test_which_options_stage() -> None:
         pin_memory=torch.cuda.is_available()
     )
     assert host_staging_for(shardwrap.DiskOffload("/tmp")) is None
+
+
+def test_planner_counts_the_device_copy_of_one_shard() -> None:
+    num_params = 10**6
+    for stage, grads_at in ((0, Location.HOST), (1, Location.DEVICE), (2, Location.HOST)):
+        plain = estimate_memory(num_params, world_size=4, stage=stage)
+        offloaded = estimate_memory(num_params, world_size=4, stage=stage, offload="cpu")
+        device_copy = 4 * num_params if stage == 0 else plain.bytes("gathered_parameters")
+        assert offloaded.bytes("gathered_parameters") == device_copy, stage
+        gradients = next(i for i in offloaded.items if i.category == "gradients")
+        assert gradients.location is grads_at, stage
+        host = offloaded.bytes_at(Location.HOST)
+        assert host == sum(offloaded.bytes(c) for c in ("parameters", "optimizer_state")) + (
+            offloaded.bytes("gradients") if grads_at is Location.HOST else 0
+        )
+
+
+def test_engine_refuses_a_wrapped_device_model_without_host_shards() -> None:
+    on_device = SimpleNamespace(
+        cpu_offload=None, parameters=lambda: [torch.empty(1, device="meta")]
+    )
+    with pytest.raises(ValueError, match="offload to cpu.*CPUOffload\\(offload_params=True\\)"):
+        _check_prewrapped_offload(on_device, shardwrap.CPUOffload(offload_params=True))
+    on_host = SimpleNamespace(cpu_offload=None, parameters=lambda: [torch.empty(1)])
+    _check_prewrapped_offload(on_host, shardwrap.CPUOffload(offload_params=True))  # a no-op
+    with pytest.raises(ValueError, match="give an unwrapped model"):
+        _check_prewrapped_offload(on_host, shardwrap.DiskOffload("/tmp"))
