@@ -164,10 +164,30 @@ def checkpoint_roundtrip(rank: int, world_size: int, path: str) -> None:
     full = [m.state_dict() for m in (fresh, saved)]
     for name, value in full[1].items():
         torch.testing.assert_close(full[0][name], value, rtol=0, atol=0, msg=name)
+    plain = _wrap(type(model)(), "SHARD_GRAD_OP", False)  # the format does not know offload
+    load_checkpoint(path, plain, make_optimizer(plain, "adamw"))
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, full[1][name], rtol=0, atol=0, msg=name)
     for optim, sharded in ((fresh_optim, fresh), (saved_optim, saved)):
         loss_for("gpt", sharded, batch_for("gpt", 500 + rank), 0).backward()
         optim.step()
     _assert_same(fresh, saved, "after resuming")
+    summon_writes_back(fresh)
+
+
+def summon_writes_back(sharded: shardwrap.ShardedModule) -> None:
+    """Edits of summoned full parameters reach the host shards (gathered on the device)."""
+    before = sharded.state_dict()
+    with shardwrap.ShardedModule.summon_full_params(sharded, writeback=True):
+        with torch.no_grad():
+            for param in sharded.parameters():
+                param.mul_(0.5)
+    after = sharded.state_dict()
+    halved = {name for name, _ in sharded.named_parameters(remove_duplicate=False)}
+    assert halved
+    for name, value in before.items():
+        expected = value * 0.5 if name in halved else value
+        torch.testing.assert_close(after[name], expected, rtol=0, atol=0, msg=name)
 
 
 def engine_offload_matches_memory(rank: int, world_size: int, stage: int, key: str) -> None:

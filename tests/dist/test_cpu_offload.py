@@ -22,6 +22,6 @@ def test_checkpoint_and_engine_offload(tmp_path) -> None:
     run_ranks(offload_cases.checkpoint_and_engine, 2, str(tmp_path / "ckpt"))
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_OPTIM"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD"])
 def test_one_rank_is_bit_exact_with_the_reference(one_rank, strategy: str) -> None:
     offload_cases.offload_matches_plain(0, 1, strategy)
