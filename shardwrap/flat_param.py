@@ -142,7 +142,7 @@ class FlatParamHandle:
         self.local_grad_present = [False] * len(params)
         self._gather_work: Any = None  # an all-gather issued ahead (prefetch), not yet waited
         self._gather_input: torch.Tensor | None = None  # its input, alive until it is done
-        self._gather_staged: StagedShard | None = None  # CPUOffload: its input's host copy
+        self._gather_staged: StagedShard | None = None  # CPUOffload: its input and copy event
         self._gather_version: int | None = None  # flat_shard._version when it was issued
         # Restores flat_full's autograd version to what it was before that all-gather.
         self._gather_version_guard: Any = None
