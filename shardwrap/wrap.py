@@ -17,6 +17,7 @@ from .collectives import CollectiveChecker, CommLedger, Communicator
 from .deferred_init import UnitMaterializer, has_meta
 from .groups import resolve_groups
 from .hooks import Unit
+from .host_offload import host_staging_for
 from .offload import DiskStore
 from .options import (
     BackwardPrefetch,
@@ -100,6 +101,7 @@ class ShardedModule(nn.Module):
         sync_module_states = _check_bool("sync_module_states", sync_module_states)
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
         _check_unsupported(cpu_offload, module)
+        self.cpu_offload = cpu_offload
         self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
             DiskStore(cpu_offload.path, collectives.world_rank())
             if isinstance(cpu_offload, DiskOffload)
@@ -150,7 +152,9 @@ class ShardedModule(nn.Module):
             strategy=self.sharding_strategy,
             mixed_precision=self.mixed_precision,
             full_precision=full_precision,
-            shard_allocator=self.disk_store.allocate if self.disk_store else None,
+            shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
+                self.disk_store.allocate if self.disk_store else host_staging_for(cpu_offload)
+            ),
         )
         if deferred or sync_module_states:
             materializer.finish(module, ignored)
@@ -431,9 +435,6 @@ def _check_unsupported(cpu_offload: Any, module: nn.Module) -> None:
         if isinstance(cpu_offload, DiskOffload):
             if on_accelerator:
                 raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
-            return
-        if cpu_offload.offload_params and on_accelerator:
-            raise ValueError("cpu_offload: offloading accelerator parameters is not supported yet")
 
 
 def _ignored_modules(
