@@ -47,15 +47,12 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
     """``ShardedModule(model)`` with the strategy of ``zero_optimization.stage``."""
     zero = config.zero_optimization
     strategy = STAGE_STRATEGIES[zero.stage]
-    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
-    if zero.offload_optimizer.device is OffloadDevice.CPU and on_accelerator:
-        raise ValueError(
-            "zero_optimization.offload_optimizer: stepping the optimizer on the CPU for an "
-            "accelerator model is not supported yet (on a CPU-only model it is a no-op)"
-        )
     cpu_offload: CPUOffload | DiskOffload | None = None
-    if zero.offload_param.device is OffloadDevice.CPU:
-        cpu_offload = CPUOffload(offload_params=True)  # the core rejects accelerator models
+    if OffloadDevice.CPU in (zero.offload_param.device, zero.offload_optimizer.device):
+        # One mechanism for both keys: the optimizer steps where the master shards live, so
+        # stepping it on the CPU keeps them in host memory ([Note: host shards and staging]).
+        cpu_offload = CPUOffload(offload_params=True)
+    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
     disk_offload = disk_offload_of(zero, on_accelerator)
     if disk_offload is not None:
         if cpu_offload is not None:
@@ -70,8 +67,7 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
                 f"model: a ShardedModule with mixed_precision={model.mixed_precision} does not "
                 f"match the config's bf16/fp16 blocks ({mixed_precision_of(config)})"
             )
-        if cpu_offload is not None:
-            raise ValueError("model: give an unwrapped model when the config asks for offload")
+        _check_prewrapped_offload(model, cpu_offload)
         if model.sharding_strategy is not strategy:
             raise ValueError(
                 f"model: already a ShardedModule with {model.sharding_strategy.name}, but "
@@ -85,6 +81,23 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
         cpu_offload=cpu_offload,
         mixed_precision=mixed_precision_of(config),
     )
+
+
+def _check_prewrapped_offload(
+    model: ShardedModule, cpu_offload: CPUOffload | DiskOffload | None
+) -> None:
+    """A wrapped model must already keep its shards where the config's offload asks."""
+    if cpu_offload is None:
+        return
+    if isinstance(cpu_offload, DiskOffload):
+        raise ValueError("model: give an unwrapped model when the config asks for offload")
+    in_host_memory = all(p.device.type == "cpu" for p in model.parameters())
+    if model.cpu_offload != cpu_offload and not in_host_memory:
+        raise ValueError(
+            "model: the config asks for offload to cpu, but this ShardedModule was built with "
+            f"cpu_offload={model.cpu_offload!r} and keeps its shards on the device; give the "
+            "unwrapped model, or wrap it with cpu_offload=CPUOffload(offload_params=True)"
+        )
 
 
 def disk_offload_of(zero: ZeroConfig, on_accelerator: bool) -> DiskOffload | None:
