@@ -309,6 +309,8 @@ def _parse_zero(raw: dict) -> ZeroConfig:
         values[name] = section.integer(name, getattr(defaults, name))
     if stage == 3 and section.has("stage3_param_persistence_threshold"):
         values["unit_persistence_threshold"] = values["stage3_param_persistence_threshold"]
+    # elements stepped between page releases under nvme offload (DiskOffload.sub_group_size)
+    values["sub_group_size"] = section.integer("sub_group_size", defaults.sub_group_size, minimum=1)
     values["offload_param"] = _parse_offload_param(section.section("offload_param"))
     values["offload_optimizer"] = _parse_offload_optimizer(section.section("offload_optimizer"))
     if values["offload_param"].device is not OffloadDevice.NONE and stage != 3:

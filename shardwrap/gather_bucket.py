@@ -47,7 +47,7 @@ def _compatible(first: FlatParamHandle, other: FlatParamHandle) -> bool:
         other.shard_comm.group is first.shard_comm.group
         and other.num_shards == first.num_shards
         and other.compute_dtype == first.compute_dtype
-        and other.flat_shard.device == first.flat_shard.device
+        and other.compute_device == first.compute_device
     )
 
 
@@ -82,8 +82,10 @@ class FusedGather:
         first = members[0]
         self.members = members
         self.versions = [h.flat_shard._version for h in members]
-        # 1D: each member's shard, cast to the compute dtype, end to end; alive until done
-        self._input = torch.cat([h.flat_shard.detach().to(h.compute_dtype) for h in members])
+        # 1D: each member's shard, cast to the compute dtype on the compute device (staged
+        # from host memory under CPUOffload, which each member's wait completes), end to
+        # end; alive until the collective is done
+        self._input = torch.cat([h._gather_source() for h in members])
         # 1D: num_shards copies of such an input, rank by rank
         self._output = torch.empty(
             first.num_shards * self._input.numel(),

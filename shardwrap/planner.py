@@ -32,14 +32,16 @@ the threshold counts as one shard: whole parameters, gradients and optimizer sta
 every rank, and nothing gathered unless it is cast. ``N`` then applies to the other units.
 
 Offload moves categories off the device: ``"cpu"`` puts parameter shards, optimizer
-state and (ZeRO-2/3) gradient shards in host memory; ``"disk"`` puts parameter shards
-and optimizer state in files (memory-mapped).
+state and the gradients handed to the optimizer in host memory (except ZeRO-1's, full
+and local on the device until the step), and with one shard the gathered buffer becomes
+a device copy of the host shard (``CPUOffload``); ``"disk"`` puts parameter shards and
+optimizer state in files (memory-mapped).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -287,8 +289,9 @@ def _module_sizes(
 
 
 def _gathered_numel(layout: FlatLayout, e: _Bytes) -> int:
-    """Elements a unit gathers: none when its one shard is the full tensor, uncast."""
-    return layout.padded_numel if layout.num_shards > 1 or e.compute != e.master else 0
+    """Elements a unit gathers: none when its one shard is the full tensor, uncast, in place."""
+    separate = layout.num_shards > 1 or e.compute != e.master or e.device_copy
+    return layout.padded_numel if separate else 0
 
 
 def _chain(sizes: _ModelSizes, index: int, e: _Bytes) -> tuple[int, frozenset[int]]:
@@ -335,6 +338,7 @@ def _shard_numels(sizes: _ModelSizes, rank: int | None) -> tuple[int, int]:
 class _Bytes:
     master: int  # b: bytes per element of the stored (master) parameters
     compute: int  # c: bytes per element of gathered parameters and local gradients
+    device_copy: bool = False  # CPUOffload: even a one-shard unit gathers a device copy
 
 
 def _gathered(
@@ -371,14 +375,16 @@ def _estimate_one(
     n = max(u.layout.num_shards for u in sizes.units)
     trainable = sum(i.numel for u in sizes.units for i in u.layout.params if i.requires_grad)
     shard, trainable_shard = _shard_numels(sizes, rank)
-    sharded_grads = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
-    gathered, gathered_formula = _gathered(sizes, strategy, elem, prefetch)
+    host_shards = offload == "cpu"  # CPUOffload: even one shard has a device copy
+    gathered, gathered_formula = _gathered(
+        sizes, strategy, replace(elem, device_copy=host_shards), prefetch
+    )
     grads, grads_formula = _gradients(strategy, trainable, trainable_shard, elem)
     per_tensor = trainable_shard  # all of them when n == 1; persistent units whole
     over_n = "" if n == 1 else " / N"
     b = elem.master
     shard_home = {None: Location.DEVICE, "cpu": Location.HOST, "disk": Location.DISK}[offload]
-    grad_home = Location.HOST if offload == "cpu" and sharded_grads else Location.DEVICE
+    grad_home = Location.HOST if host_shards and not strategy.reduces_at_step else Location.DEVICE
     items = (
         MemoryItem("parameters", shard * b, shard_home, f"P b{over_n} = {shard:,} x {b}"),
         MemoryItem("gathered_parameters", gathered, Location.DEVICE, gathered_formula),
