@@ -103,15 +103,17 @@ def test_prefetches_issue_buckets() -> None:
     assert on["held_after"] == off["held_after"]
 
 
-def _bf16_twins_worker(rank: int, world_size: int) -> list[int]:
-    """bf16 compute: buckets gather the same cast values, so training is bit for bit equal."""
+def _train_twins(rank: int, variants: list[dict]) -> list[shardwrap.ShardedModule]:
+    """One GPT per ``ShardedModule`` keyword set (plus ``bucket``), trained alike 3 steps."""
     twins = []
-    for bucket_bytes in (0, EVERYTHING):
+    for options in variants:
+        options = dict(options)
+        bucket_bytes = options.pop("bucket", 0)
         model = shardwrap.ShardedModule(
             build_model("gpt"),
             auto_wrap_policy=wrap_policy("gpt"),
-            mixed_precision=shardwrap.MixedPrecision(param_dtype=torch.bfloat16),
             forward_prefetch=True,
+            **options,
         )
         model.set_all_gather_bucket_size(bucket_bytes)
         twins.append((model, make_optimizer(model, "adamw")))
@@ -120,15 +122,39 @@ def _bf16_twins_worker(rank: int, world_size: int) -> list[int]:
             models.gpt_loss(model, models.gpt_batch(10 * step + rank), use_extra=True).backward()
             optim.step()
             optim.zero_grad()
-    (plain, _), (bucketed, _) = twins
-    for (name, a), (_, b) in zip(plain.named_parameters(), bucketed.named_parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
-    return [m.comm_ledger.count("all_gather", "params") for m in (plain, bucketed)]
+    return [model for model, _ in twins]
 
 
-def test_bf16_buckets_equal_unbucketed_bit_for_bit() -> None:
-    for plain_count, bucketed_count in run_ranks(_bf16_twins_worker, 2):
-        assert 0 < bucketed_count < plain_count
+def _same_params(a: shardwrap.ShardedModule, b: shardwrap.ShardedModule, exact=True) -> None:
+    tol = {"rtol": 0, "atol": 0} if exact else {}
+    full_a, full_b = a.state_dict(), b.state_dict()
+    for name, value in full_a.items():
+        torch.testing.assert_close(value, full_b[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _twins_worker(rank: int, world_size: int) -> list[int]:
+    """Buckets gather the same (cast, staged) values, so training is bit for bit equal."""
+    bf16 = {"mixed_precision": shardwrap.MixedPrecision(param_dtype=torch.bfloat16)}
+    offload = {"cpu_offload": shardwrap.CPUOffload(offload_params=True)}
+    plain16, bucketed16, plain, offloaded, persistent = _train_twins(
+        rank,
+        [
+            bf16,
+            {**bf16, "bucket": EVERYTHING},
+            {},
+            {**offload, "bucket": EVERYTHING},
+            {**offload, "bucket": EVERYTHING, "param_persistence_threshold": 5_000},
+        ],
+    )
+    _same_params(plain16, bucketed16)
+    _same_params(plain, offloaded)
+    _same_params(plain, persistent, exact=False)  # the root all-reduces, not reduce-scatters
+    return [m.comm_ledger.count("all_gather", "params") for m in (plain16, bucketed16, offloaded)]
+
+
+def test_buckets_equal_unbucketed_bit_for_bit_in_bf16_and_offloaded() -> None:
+    for plain_count, bucketed_count, offloaded_count in run_ranks(_twins_worker, 2):
+        assert 0 < bucketed_count < plain_count and offloaded_count == bucketed_count
 
 
 def test_bucket_size_is_validated(one_rank) -> None:
