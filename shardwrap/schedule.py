@@ -23,6 +23,7 @@ in the same order everywhere.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from . import gather_bucket
@@ -57,7 +58,7 @@ class Schedule:
         if unit in order:
             position = order.index(unit)
             if position + 1 < len(order):
-                self._prefetch(order[position + 1], order[position + 2 :])
+                self._prefetch(order[position + 1], _not_run_yet(order[position + 2 :]))
 
     def after_pre_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
@@ -88,7 +89,7 @@ class Schedule:
         """Gather ``unit`` with the units that followed it last step (if bucketing)."""
         order = self.previous_forward_order
         if unit in order:
-            self._gather_bucket(unit, order[order.index(unit) + 1 :])
+            self._gather_bucket(unit, _not_run_yet(order[order.index(unit) + 1 :]))
 
     def before_backward_unshard(self, unit: Unit, execution_order: list[Unit]) -> None:
         """Gather ``unit`` with the units whose backward comes next (if bucketing)."""
@@ -162,3 +163,14 @@ class Schedule:
             elif handle is not None and unit.strategy.free_after_backward:
                 if handle.full_storage_bytes:  # gathered by a bucket, then not used this step
                     handle.reshard(free=True)
+
+
+def _not_run_yet(units: list[Unit]) -> list[Unit]:
+    """The leading ``units`` that have not run this step.
+
+    A forward re-run in backward (activation checkpointing) must not bucket the units
+    after it: their backward is over.
+    """
+    from .hooks import TrainingState
+
+    return list(itertools.takewhile(lambda u: u.state is TrainingState.IDLE, units))

@@ -11,10 +11,15 @@ import torch
 import shardwrap
 from shardwrap.collectives import ROOT_LABEL
 from tests import models
+from tests.dist import test_activation_checkpointing as checkpointing
 from tests.dist.harness import run_ranks
 from tests.dist.parity import (
     Case,
+    batch_for,
     build_model,
+    check_shards,
+    concat,
+    loss_for,
     make_optimizer,
     train_and_compare,
     wrap_case,
@@ -155,6 +160,35 @@ def _twins_worker(rank: int, world_size: int) -> list[int]:
 def test_buckets_equal_unbucketed_bit_for_bit_in_bf16_and_offloaded() -> None:
     for plain_count, bucketed_count, offloaded_count in run_ranks(_twins_worker, 2):
         assert 0 < bucketed_count < plain_count and offloaded_count == bucketed_count
+
+
+def _checkpointing_worker(rank: int, world_size: int) -> dict:
+    """Activation checkpointing re-runs block forwards in backward; buckets stay exact."""
+    gathers = {}
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        for mode in ("inner_non_reentrant", "wrapper_after_wrap_reentrant"):
+            sharded, reference = checkpointing._prepare(mode, strategy)
+            sharded.set_all_gather_bucket_size(EVERYTHING)
+            optim, ref_optim = make_optimizer(sharded, "adamw"), make_optimizer(reference, "adamw")
+            for step in range(3):
+                batches = [batch_for("gpt", 1000 * step + r) for r in range(world_size)]
+                loss_for("gpt", reference, concat(batches), step).backward()
+                ref_optim.step()
+                ref_optim.zero_grad()
+                sharded.comm_ledger.reset()
+                loss_for("gpt", sharded, batches[rank], step).backward()
+                optim.step()
+                optim.zero_grad()
+                check_shards(sharded, reference, exact=False)
+            gathers[(strategy, mode)] = sharded.comm_ledger.count("all_gather", "params")
+    return gathers
+
+
+def test_buckets_under_activation_checkpointing() -> None:
+    gathers = run_ranks(_checkpointing_worker, 2)[0]
+    for (strategy, mode), count in gathers.items():
+        kind = "reentrant_wrapper" if mode == "wrapper_after_wrap_reentrant" else "plain"
+        assert 0 < count < checkpointing.EXPECTED_GATHERS[strategy][kind], (strategy, mode, count)
 
 
 def test_bucket_size_is_validated(one_rank) -> None:
