@@ -72,7 +72,9 @@ class ReduceBucket:
             return
         size = first.num_shards
         self._input = torch.cat([g.view(size, -1) for g in self.grads], dim=1).reshape(-1)
-        self._output = torch.empty(self._input.numel() // size, dtype=self._input.dtype)
+        self._output = torch.empty(
+            self._input.numel() // size, dtype=self._input.dtype, device=self._input.device
+        )
         self._work = first.shard_comm.reduce_scatter(
             self._output, self._input, purpose="grads", unit=self.label, input_is_scratch=True
         )

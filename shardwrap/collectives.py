@@ -126,6 +126,13 @@ class Communicator:
         self.rank: int = dist.get_rank(group) if group is not None else 0
         self.size: int = dist.get_world_size(group) if group is not None else 1
         self.checker: CollectiveChecker | None = None  # debug: verify ranks agree first
+        # [Note: host tensors on accelerator-only backends]
+        # Flags, norms and counts are small host tensors. A group whose backend has no CPU
+        # transport (plain "nccl") cannot reduce them, so they travel through a copy on the
+        # current accelerator; "gloo" or a device-mapped backend ("cpu:gloo,cuda:nccl",
+        # torch's default) reduces them where they are.
+        self.host_capable = group is None or backend_handles_cpu(dist.get_backend(group))
+        self.staging_device: torch.device | None = None  # None: the current accelerator
         self._gloo = group is not None and dist.get_backend(group) == "gloo"
 
     def all_gather(
@@ -172,15 +179,18 @@ class Communicator:
         if self.size == 1:
             return _DoneWork()
         start = self._record("all_reduce", purpose, tensor, unit)
-        return self._timed(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), start)
+        staged = self._stage(tensor)
+        work = dist.all_reduce(staged, op=op, group=self.group, async_op=True)
+        return self._copied_back(self._timed(work, start), staged, tensor)
 
     def broadcast(self, tensor: torch.Tensor, *, src_rank: int, purpose: str):
         """Copy ``tensor`` from group rank ``src_rank`` to every rank; returns a waitable."""
         if self.size == 1:
             return _DoneWork()
         start = self._record("broadcast", purpose, tensor)
-        work = dist.broadcast(tensor, group=self.group, group_src=src_rank, async_op=True)
-        return self._timed(work, start)
+        staged = self._stage(tensor)
+        work = dist.broadcast(staged, group=self.group, group_src=src_rank, async_op=True)
+        return self._copied_back(self._timed(work, start), staged, tensor)
 
     def all_gather_object(self, obj: object, *, purpose: str) -> list[object]:
         """Every rank's ``obj`` (small Python values: flags, names, shapes)."""
@@ -190,6 +200,17 @@ class Communicator:
         dist.all_gather_object(gathered, obj, group=self.group)
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
         return gathered
+
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or a copy on the accelerator when this group cannot reduce host memory."""
+        if self.host_capable or tensor.device.type != "cpu":
+            return tensor
+        device = self.staging_device or _current_accelerator()
+        return tensor.to(device, copy=True)
+
+    @staticmethod
+    def _copied_back(work, staged: torch.Tensor, tensor: torch.Tensor):
+        return work if staged is tensor else _CopyBackWork(work, staged, tensor)
 
     def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> float:
         """Check (debug), record, and return the issue time for :meth:`_timed`."""
@@ -262,6 +283,35 @@ class _TimedWork:
         done = self._work.wait()
         self._ledger.note_elapsed(self._record, time.perf_counter() - self._start)
         return done
+
+
+class _CopyBackWork:
+    """A waitable whose wait also copies a staged result back into the caller's tensor."""
+
+    def __init__(self, work, staged: torch.Tensor, tensor: torch.Tensor) -> None:
+        self._work = work
+        self._staged = staged
+        self._tensor = tensor
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        self._tensor.copy_(self._staged)
+        return done
+
+
+def backend_handles_cpu(backend: str) -> bool:
+    """Whether a backend (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``) moves host tensors."""
+    name = str(backend).lower()
+    if ":" in name:
+        return "cpu:" in name
+    return name not in ("nccl", "xccl", "hccl")
+
+
+def _current_accelerator() -> torch.device:
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise RuntimeError("collectives: the process group has no CPU backend and no accelerator")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def is_initialized() -> bool:

@@ -298,6 +298,8 @@ def _parse_zero(raw: dict) -> ZeroConfig:
         values[name] = section.boolean(name, getattr(defaults, name))
     for name in _ZERO_SIZES:
         values[name] = section.integer(name, getattr(defaults, name))
+    # elements stepped between page releases under nvme offload (DiskOffload.sub_group_size)
+    values["sub_group_size"] = section.integer("sub_group_size", defaults.sub_group_size, minimum=1)
     values["offload_param"] = _parse_offload_param(section.section("offload_param"))
     values["offload_optimizer"] = _parse_offload_optimizer(section.section("offload_optimizer"))
     if values["offload_param"].device is not OffloadDevice.NONE and stage != 3:

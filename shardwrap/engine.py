@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import collectives, engine_checkpoint
 from .collectives import Communicator
-from .ds_config import DeepSpeedConfig, OffloadDevice
+from .ds_config import DeepSpeedConfig
 from .engine_setup import DISK_OPTIMIZERS, attach_optimizer, build_scheduler, wrap_model
 from .loss_scaler import LossScaler
 from .runtime import reduce_deferred_grads_for
@@ -61,14 +61,13 @@ def initialize(
             "torch.distributed.init_process_group(...) first"
         )
     parsed = DeepSpeedConfig.load(config)
-    _check_offload(parsed)
     batch = parsed.batch_sizes(collectives.world_size())
     names = {id(p): name for name, p in model.named_parameters()}
     sharded = wrap_model(model, parsed, auto_wrap_policy)
     built_optimizer = attach_optimizer(sharded, parsed, optimizer, model_parameters, names)
     if sharded.disk_store is not None and type(built_optimizer) not in DISK_OPTIMIZERS:
         raise ValueError(
-            "zero_optimization.offload_optimizer: 'nvme' keeps optimizer state on disk for "
+            "zero_optimization: 'nvme' keeps optimizer state on disk for "
             f"Adam and AdamW only, got {type(built_optimizer).__name__}"
         )
     scheduler = build_scheduler(parsed, built_optimizer, lr_scheduler)
@@ -79,14 +78,6 @@ def initialize(
             training_data, batch.train_micro_batch_size_per_gpu, parsed, collate_fn
         )
     return engine, built_optimizer, loader, scheduler
-
-
-def _check_offload(config: DeepSpeedConfig) -> None:
-    if config.zero_optimization.offload_param.device is OffloadDevice.NVME:
-        raise ValueError(
-            "zero_optimization.offload_param.device: 'nvme' is not supported; "
-            "offload_optimizer: {device: nvme} puts the fp32 master shards on disk"
-        )
 
 
 def _dataloader(

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .ds_config import DeepSpeedConfig, OffloadDevice
+from .ds_config import DeepSpeedConfig, OffloadDevice, ZeroConfig
 from .options import CPUOffload, DiskOffload, MixedPrecision
 from .planner import STAGE_STRATEGIES
 from .wrap import ShardedModule
@@ -47,30 +47,27 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
     """``ShardedModule(model)`` with the strategy of ``zero_optimization.stage``."""
     zero = config.zero_optimization
     strategy = STAGE_STRATEGIES[zero.stage]
-    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
-    if zero.offload_optimizer.device is OffloadDevice.CPU and on_accelerator:
-        raise ValueError(
-            "zero_optimization.offload_optimizer: stepping the optimizer on the CPU for an "
-            "accelerator model is not supported yet (on a CPU-only model it is a no-op)"
-        )
     cpu_offload: CPUOffload | DiskOffload | None = None
-    if zero.offload_param.device is OffloadDevice.CPU:
-        cpu_offload = CPUOffload(offload_params=True)  # the core rejects accelerator models
-    if zero.offload_optimizer.device is OffloadDevice.NVME:
+    if OffloadDevice.CPU in (zero.offload_param.device, zero.offload_optimizer.device):
+        # One mechanism for both keys: the optimizer steps where the master shards live, so
+        # stepping it on the CPU keeps them in host memory ([Note: host shards and staging]).
+        cpu_offload = CPUOffload(offload_params=True)
+    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
+    disk_offload = disk_offload_of(zero, on_accelerator)
+    if disk_offload is not None:
         if cpu_offload is not None:
             raise ValueError(
                 "zero_optimization: offload_param {device: cpu} together with "
                 "offload_optimizer {device: nvme} is not supported"
             )
-        cpu_offload = DiskOffload(zero.offload_optimizer.nvme_path)  # type: ignore[arg-type]
+        cpu_offload = disk_offload
     if isinstance(model, ShardedModule):
         if model.mixed_precision != mixed_precision_of(config):
             raise ValueError(
                 f"model: a ShardedModule with mixed_precision={model.mixed_precision} does not "
                 f"match the config's bf16/fp16 blocks ({mixed_precision_of(config)})"
             )
-        if cpu_offload is not None:
-            raise ValueError("model: give an unwrapped model when the config asks for offload")
+        _check_prewrapped_offload(model, cpu_offload)
         if model.sharding_strategy is not strategy:
             raise ValueError(
                 f"model: already a ShardedModule with {model.sharding_strategy.name}, but "
@@ -84,6 +81,57 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
         cpu_offload=cpu_offload,
         mixed_precision=mixed_precision_of(config),
     )
+
+
+def _check_prewrapped_offload(
+    model: ShardedModule, cpu_offload: CPUOffload | DiskOffload | None
+) -> None:
+    """A wrapped model must already keep its shards where the config's offload asks."""
+    if cpu_offload is None:
+        return
+    if isinstance(cpu_offload, DiskOffload):
+        raise ValueError("model: give an unwrapped model when the config asks for offload")
+    in_host_memory = all(p.device.type == "cpu" for p in model.parameters())
+    if model.cpu_offload != cpu_offload and not in_host_memory:
+        raise ValueError(
+            "model: the config asks for offload to cpu, but this ShardedModule was built with "
+            f"cpu_offload={model.cpu_offload!r} and keeps its shards on the device; give the "
+            "unwrapped model, or wrap it with cpu_offload=CPUOffload(offload_params=True)"
+        )
+
+
+def disk_offload_of(zero: ZeroConfig, on_accelerator: bool) -> DiskOffload | None:
+    """The ``DiskOffload`` that ``device: nvme`` asks for (``None`` if none does).
+
+    ``offload_param`` and ``offload_optimizer`` map onto the same ``DiskOffload``: the
+    parameter shards a rank keeps are its fp32 master shards (with bf16/fp16 the
+    low-precision copy exists only while a unit is gathered), and the Adam state goes
+    next to them, so either key, or both with one path, puts both on disk.
+    ``sub_group_size`` bounds how much of them one optimizer step holds in memory.
+    """
+    blocks = {"offload_param": zero.offload_param, "offload_optimizer": zero.offload_optimizer}
+    on_disk = {key: b.nvme_path for key, b in blocks.items() if b.device is OffloadDevice.NVME}
+    if not on_disk:
+        return None
+    first = next(iter(on_disk))
+    if on_accelerator:
+        raise ValueError(
+            f"zero_optimization.{first}: 'nvme' offload of an accelerator model is not "
+            "supported yet (it keeps a CPU model's shards and Adam state on disk)"
+        )
+    if zero.offload_optimizer.device is OffloadDevice.CPU:
+        raise ValueError(
+            "zero_optimization: offload_param {device: nvme} with offload_optimizer "
+            "{device: cpu} is not supported: the Adam state goes to disk with the master "
+            "shards; use offload_optimizer {device: nvme} or leave it out"
+        )
+    if len(set(on_disk.values())) > 1:
+        paths = ", ".join(f"{key}.nvme_path={path!r}" for key, path in on_disk.items())
+        raise ValueError(
+            f"zero_optimization: {paths} differ; shardwrap keeps parameter shards and "
+            "optimizer state in one directory, so give both the same nvme_path"
+        )
+    return DiskOffload(on_disk[first], sub_group_size=zero.sub_group_size)  # type: ignore[arg-type]
 
 
 def mixed_precision_of(config: DeepSpeedConfig) -> MixedPrecision | None:

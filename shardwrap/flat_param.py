@@ -14,8 +14,9 @@ life of the handle:
 ``flat_full``'s storage is released (resized to 0) when the unit reshards and re-allocated
 in place when it unshards, so the full views stay valid objects without holding memory.
 With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed,
-unless mixed precision asks for a low-precision ``flat_full`` (``separate_full``; see
-``[Note: mixed-precision data flow]`` in ``mixed_precision.py``).
+unless mixed precision asks for a low-precision ``flat_full`` or ``CPUOffload`` keeps the
+shard in host memory (``separate_full``; see ``[Note: mixed-precision data flow]`` in
+``mixed_precision.py`` and ``[Note: host shards and staging]`` in ``host_offload.py``).
 
 [Note: version counters]
 Writing gathered data into ``flat_full`` must not bump its autograd version counter:
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from .collectives import ROOT_LABEL, Communicator
+from .host_offload import HostStaging, StagedShard
 from .layout import FlatLayout
 from .mixed_precision import HandlePrecision
 from .options import ShardingStrategy
@@ -104,8 +106,13 @@ class FlatParamHandle:
         self.precision = precision  # None: compute and reduce in the master dtype
         self.compute_dtype = precision.param_dtype if precision else dtype
         self.reduce_dtype = precision.reduce_dtype if precision else dtype
-        # Whether flat_full is its own buffer (several shards, or a low-precision copy).
-        self.separate_full = layout.num_shards > 1 or self.compute_dtype != dtype
+        self.compute_device = device  # flat_full, local gradients and collectives
+        # CPUOffload: the shard lives in host memory, see [Note: host shards and staging].
+        self.host_staging = shard_allocator if isinstance(shard_allocator, HostStaging) else None
+        # Whether flat_full is its own buffer (several shards, a low-precision or device copy).
+        self.separate_full = (
+            layout.num_shards > 1 or self.compute_dtype != dtype or self.host_staging is not None
+        )
         flat_init = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # 1D, padded
         with torch.no_grad():
             for info, param in zip(layout.params, params, strict=True):
@@ -119,7 +126,8 @@ class FlatParamHandle:
             with torch.no_grad():
                 placed.copy_(self.flat_shard)
             self.flat_shard = placed
-            flat_init = placed if self.num_shards == 1 else flat_init
+            if self.num_shards == 1 and self.host_staging is None:
+                flat_init = placed
         # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
         self.flat_full = (
             flat_init  # released by the reshard below when separate_full
@@ -134,6 +142,7 @@ class FlatParamHandle:
         self.local_grad_present = [False] * len(params)
         self._gather_work: Any = None  # an all-gather issued ahead (prefetch), not yet waited
         self._gather_input: torch.Tensor | None = None  # its input, alive until it is done
+        self._gather_staged: StagedShard | None = None  # CPUOffload: its input and copy event
         self._gather_version: int | None = None  # flat_shard._version when it was issued
         # Restores flat_full's autograd version to what it was before that all-gather.
         self._gather_version_guard: Any = None
@@ -215,8 +224,7 @@ class FlatParamHandle:
             needed = self.flat_full.numel() * self.flat_full.element_size()
             if storage.size() != needed:
                 storage.resize_(needed)
-            # Cast before gathering, so the collective moves compute_dtype bytes.
-            shard = self.flat_shard.detach().to(self.compute_dtype)
+            shard = self._gather_source()
             self._gather_version_guard = torch.autograd._unsafe_preserve_version_counter(
                 self.flat_full
             )
@@ -236,9 +244,24 @@ class FlatParamHandle:
         # thread): restore the version from before it was issued, see [Note: version counters].
         with self._gather_version_guard:
             self._gather_work.wait()
+        if self._gather_staged is not None:  # [Note: asynchronous copies from pinned memory]
+            self._gather_staged.wait_copied()
+            self._gather_staged = None
         self._gather_work = None
         self._gather_input = None
         self._gathered_version = self._gather_version
+
+    def _gather_source(self) -> torch.Tensor:
+        """The all-gather's input: the shard in compute_dtype, on the compute device.
+
+        Cast before gathering, so the collective moves compute_dtype bytes.
+        """
+        if self.host_staging is None:
+            return self.flat_shard.detach().to(self.compute_dtype)
+        self._gather_staged = self.host_staging.to_device(
+            self.flat_shard.detach(), self.compute_device, self.compute_dtype
+        )
+        return self._gather_staged.tensor
 
     @property
     def gather_in_flight(self) -> bool:
@@ -281,7 +304,9 @@ class FlatParamHandle:
             work = self.replicate_comm.all_reduce(flat_grad, purpose="grads", unit=self.comm_label)
             self._reductions.append(_Reduction(work, flat_grad, flat_grad, replicate_done=True))
             return
-        reduced = torch.empty_like(self.flat_shard, dtype=self.reduce_dtype)
+        reduced = torch.empty(
+            self.layout.shard_numel, dtype=self.reduce_dtype, device=flat_grad.device
+        )
         work = self.shard_comm.reduce_scatter(
             reduced, flat_grad, purpose="grads", unit=self.comm_label, input_is_scratch=True
         )
@@ -303,6 +328,8 @@ class FlatParamHandle:
         if self.replicate_comm is not None and not replicate_done:
             self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
         reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
+        if self.host_staging is not None:  # the optimizer steps on the host
+            reduced = self.host_staging.to_host(reduced)
         if self.pending_grad_shard is None:
             self.pending_grad_shard = reduced
         else:

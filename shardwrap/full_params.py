@@ -113,7 +113,7 @@ class _Summon:
         self.handle = handle
         self.writeback = writeback
         self.showing = showing
-        self.offload = offload and handle.flat_shard.device.type != "cpu"
+        self.offload = offload and handle.compute_device.type != "cpu"
         self.with_grads = grads
         self.flat_full: torch.Tensor | None = None  # 1D, padded, master dtype; while summoned
 
@@ -124,9 +124,10 @@ class _Summon:
             flat = handle.flat_shard if self.writeback else handle.flat_shard.detach().clone()
         else:
             flat = torch.empty(
-                handle.layout.padded_numel, dtype=handle.dtype, device=handle.flat_shard.device
+                handle.layout.padded_numel, dtype=handle.dtype, device=handle.compute_device
             )
-            handle.shard_comm.all_gather(flat, handle.flat_shard, purpose="summon").wait()
+            source = handle.flat_shard.detach().to(handle.compute_device)  # CPUOffload: host
+            handle.shard_comm.all_gather(flat, source, purpose="summon").wait()
         self.flat_full = flat.cpu() if self.offload else flat
         shown = [
             nn.Parameter(self.flat_full[i.offset : i.end].view(i.shape), i.requires_grad)
@@ -164,8 +165,9 @@ def _attach_full_grads(handle: FlatParamHandle, shown: list[nn.Parameter]) -> No
         if shard.grad is not None:
             grad_shard[piece.shard_start : piece.shard_end].copy_(shard.grad.reshape(-1))
     grad_full = torch.empty(
-        handle.layout.padded_numel, dtype=handle.dtype, device=handle.flat_shard.device
+        handle.layout.padded_numel, dtype=handle.dtype, device=handle.compute_device
     )
+    grad_shard = grad_shard.to(handle.compute_device)  # CPUOffload: gradients are on the host
     handle.shard_comm.all_gather(grad_full, grad_shard, purpose="summon_grads").wait()
     for info, param, shard in zip(handle.layout.params, shown, handle.shard_params, strict=True):
         if shard.grad is not None:  # the same on every rank (the presence vote)

@@ -89,5 +89,6 @@ def clip_grad_norm_(model: ShardedModule, max_norm: float, norm_type: float = 2.
     dtype = grads[0].dtype if grads else torch.float32
     clip_coef = (float(max_norm) / (total + _CLIP_EPS)).clamp(max=1.0)
     for grad in grads:
-        grad.detach().mul_(clip_coef.to(grad.dtype))
+        # CPUOffload: shard gradients are host tensors, others may be on the device.
+        grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
     return total.to(dtype)

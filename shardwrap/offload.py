@@ -16,23 +16,28 @@ shared file mapping this drops them from the process, while their up-to-date con
 in the file's page cache and on disk, and the next access reads them back. Between steps
 the rank then holds none of the master shards and Adam state (12 bytes per sharded
 parameter element); they come back, one access at a time, while forward and the step use
-them. Linux only; elsewhere the release is skipped.
+them. A step streamed in sub-groups releases each sub-group's pages as soon as it is
+stepped, so the step's peak holds about one sub-group of state (shardwrap/offload_stream.py).
+Linux only; elsewhere the release is skipped.
 
 [Note: optimizer state on disk]
 torch's Adam/AdamW create their state lazily (zeros and a step counter) on the first
-step. A step pre-hook fills that state beforehand with views into one mapped buffer per
-unit and state name, laid out like the shard, so the optimizer computes exactly what it
-would in memory. Other optimizers' state would stay in memory, so they are refused.
+step a parameter has a gradient. A step pre-hook on the optimizer (registered the first
+time it steps our shards, so it runs after every global pre-hook) creates that state
+beforehand, for the same parameters, as views into one mapped buffer per unit and state
+name, laid out like the shard, so the optimizer computes exactly what it would in
+memory. A slot the store has not handed out before is still the file's zeros and is not
+written (writing would make every page resident). Other optimizers' state would stay in
+memory, so they are refused. With more than ``sub_group_size`` elements to step, the step
+is streamed in sub-groups (shardwrap/offload_stream.py, [Note: a streamed optimizer step]).
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import itertools
 import os
 import shutil
-import sys
 import tempfile
 import weakref
 from collections.abc import Iterable
@@ -44,6 +49,7 @@ from torch.optim.optimizer import (
 )
 
 from .flat_param import FlatParamHandle, holds_shards_of
+from .offload_stream import StreamedStep, release_resident
 
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
 _LIVE_DIRECTORIES: set[str] = set()
@@ -76,8 +82,9 @@ def check_offload_path(path: str) -> None:
 class DiskStore:
     """One rank's mapped buffers for one ``ShardedModule``."""
 
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, path: str, rank: int, sub_group_size: int = 1_000_000_000) -> None:
         check_offload_path(path)
+        self.sub_group_size = sub_group_size  # most elements stepped between page releases
         self.directory = tempfile.mkdtemp(prefix=f"shardwrap-rank{rank}-", dir=path)
         _LIVE_DIRECTORIES.add(self.directory)
         self._counter = itertools.count()
@@ -85,9 +92,13 @@ class DiskStore:
         self.num_bytes = 0  # bytes mapped so far
         # One mapped buffer per (handle, Adam state name), laid out like the shard.
         self._state_buffers: dict[tuple[int, str], torch.Tensor] = {}
+        # (handle, state name, parameter index) slots given to an optimizer's state once.
+        self._handed_out: set[tuple[int, str, int]] = set()
         self._mapped: list[torch.Tensor] = []  # every mapped buffer, for release_pages
         self._hook = None
         self._release_hook = None
+        # The streamed step of each optimizer seen stepping our shards.
+        self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._finalizer = weakref.finalize(self, _remove_directory, self.directory)
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -108,7 +119,7 @@ class DiskStore:
         See [Note: releasing resident pages].
         """
         for tensor in self._mapped:
-            _dont_need(tensor)
+            release_resident(tensor)
 
     def attach(self, handles: Iterable[FlatParamHandle | None]) -> None:
         """Watch every optimizer step: state for these handles' shards goes on disk."""
@@ -118,7 +129,7 @@ class DiskStore:
         def before_step(optimizer, args, kwargs):
             store = ref()
             if store is not None:
-                store.place_state(optimizer)
+                store.watch(optimizer)
 
         def after_step(optimizer, args, kwargs):
             store = ref()
@@ -131,17 +142,48 @@ class DiskStore:
             self, _detach, (self._hook, self._release_hook), self.directory
         )
 
-    def place_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Put Adam/AdamW state of our shards in mapped buffers (new, or loaded into memory)."""
-        mine = {id(p): (h, i) for h in self.handles for i, p in enumerate(h.shard_params)}
-        ours = [(g, p) for g in optimizer.param_groups for p in g["params"] if id(p) in mine]
-        if not ours:
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook ``optimizer`` (once) if it steps our shards: state on disk, streamed step.
+
+        Its own step hooks run after every global one (a ZeRO-1 reduction among them), so
+        the gradients are in place; see [Note: a streamed optimizer step].
+        """
+        if optimizer in self._streams or not holds_shards_of(optimizer, self.handles):
             return
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             raise ValueError(
                 f"DiskOffload: keeps optimizer state on disk for Adam and AdamW only, got "
                 f"{type(optimizer).__name__}"
             )
+        streamed = StreamedStep(optimizer, self.sub_group_size)
+        self._streams[optimizer] = streamed
+        ref = weakref.ref(self)
+
+        def before_step(optimizer, args, kwargs):
+            store = ref()
+            if store is not None:
+                store.place_state(optimizer)
+                owned = {id(p) for h in store.handles for p in h.shard_params}
+                streamed.before_step(optimizer, owned, args, kwargs)
+
+        optimizer.register_step_pre_hook(before_step)
+        optimizer.register_step_post_hook(lambda optimizer, args, kwargs: streamed.after_step())
+
+    def num_sub_groups(self, optimizer: torch.optim.Optimizer) -> int:
+        """How many sub-groups ``optimizer``'s last step of our shards ran in (0: none yet)."""
+        streamed = self._streams.get(optimizer)
+        return streamed.num_sub_groups if streamed is not None else 0
+
+    def place_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put Adam/AdamW state of our shards in mapped buffers (new, or loaded into memory)."""
+        mine = {id(p): (h, i) for h in self.handles for i, p in enumerate(h.shard_params)}
+        # As torch does: state for a parameter once it has a gradient (or loaded state).
+        ours = [
+            (g, p)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if id(p) in mine and (p.grad is not None or optimizer.state.get(p))
+        ]
         for group, param in ours:
             handle, index = mine[id(param)]
             names = _ADAM_STATES + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
@@ -154,8 +196,13 @@ class DiskStore:
                     continue
                 # A fresh state, or one optimizer.load_state_dict put back in memory.
                 placed = handle.shard_view(self._state_buffer(handle, name), index)
-                with torch.no_grad():
-                    placed.copy_(current if current is not None else torch.zeros(()))
+                slot = (id(handle), name, index)
+                if current is not None or slot in self._handed_out:
+                    with torch.no_grad():
+                        placed.copy_(current if current is not None else torch.zeros(()))
+                    release_resident(placed)
+                # else: the slot is still the file's zeros (not touched, not resident)
+                self._handed_out.add(slot)
                 state[name] = placed
 
     def _state_buffer(self, handle: FlatParamHandle, name: str) -> torch.Tensor:
@@ -172,23 +219,6 @@ def _detach(hooks, directory: str) -> None:
     for hook in hooks:
         hook.remove()
     _remove_directory(directory)
-
-
-_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-if _libc is not None:
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _libc.madvise.restype = ctypes.c_int
-
-
-def _dont_need(tensor: torch.Tensor) -> None:
-    """madvise(MADV_DONTNEED) over a mapped buffer (it starts on a page: the mapping's base)."""
-    num_bytes = tensor.numel() * tensor.element_size()
-    if _libc is None or num_bytes == 0:
-        return
-    if _libc.madvise(tensor.data_ptr(), num_bytes, _MADV_DONTNEED) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"DiskOffload: madvise failed: {os.strerror(error)}")
 
 
 def is_file_backed(tensor: torch.Tensor) -> bool:

@@ -221,10 +221,19 @@ class DiskOffload:
 
     Pass it as ``ShardedModule(..., cpu_offload=DiskOffload(path))``; see
     :mod:`shardwrap.offload`. ``path`` must be an existing, writable directory.
+    ``sub_group_size``: the most shard elements the optimizer steps before their pages
+    are released (DeepSpeed's ``sub_group_size``; its default, 1e9, is in practice one
+    group), which bounds the resident memory of a step; see :mod:`shardwrap.offload_stream`.
     """
 
     path: str
+    sub_group_size: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise TypeError(f"DiskOffload: path must be a non-empty str, got {self.path!r}")
+        size = self.sub_group_size
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise TypeError(f"DiskOffload: sub_group_size must be an int, got {size!r}")
+        if size < 1:
+            raise ValueError(f"DiskOffload: sub_group_size must be at least 1, got {size}")

@@ -29,8 +29,10 @@ optimizer state are in the master dtype, as torch's optimizers keep their state 
 parameter's dtype.
 
 Offload moves categories off the device: ``"cpu"`` puts parameter shards, optimizer
-state and (ZeRO-2/3) gradient shards in host memory; ``"disk"`` puts parameter shards
-and optimizer state in files (memory-mapped).
+state and the gradients handed to the optimizer in host memory (except ZeRO-1's, full
+and local on the device until the step), and with one shard the gathered buffer becomes
+a device copy of the host shard (``CPUOffload``); ``"disk"`` puts parameter shards and
+optimizer state in files (memory-mapped).
 """
 
 from __future__ import annotations
@@ -305,9 +307,14 @@ class _Bytes:
 
 
 def _gathered(
-    sizes: _ModelSizes, strategy: ShardingStrategy, n: int, e: _Bytes, prefetch: bool
+    sizes: _ModelSizes,
+    strategy: ShardingStrategy,
+    n: int,
+    e: _Bytes,
+    prefetch: bool,
+    device_copy: bool,
 ) -> tuple[int, str]:
-    if n == 1 and e.compute == e.master:
+    if n == 1 and e.compute == e.master and not device_copy:
         return 0, "0 (one shard, no cast: the full buffer is the shard)"
     if strategy is ShardingStrategy.FULL_SHARD:
         chain, ahead = _zero3_peak(sizes, prefetch)
@@ -336,14 +343,14 @@ def _estimate_one(
     n = sizes.units[0].layout.num_shards
     trainable = sum(i.numel for u in sizes.units for i in u.layout.params if i.requires_grad)
     shard, trainable_shard = _shard_numels(sizes, rank)
-    sharded_grads = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
-    gathered, gathered_formula = _gathered(sizes, strategy, n, elem, prefetch)
+    host_shards = offload == "cpu"  # CPUOffload: even one shard has a device copy
+    gathered, gathered_formula = _gathered(sizes, strategy, n, elem, prefetch, host_shards)
     grads, grads_formula = _gradients(strategy, trainable, trainable_shard, elem)
     per_tensor = trainable if n == 1 else trainable_shard
     over_n = "" if n == 1 else " / N"
     b = elem.master
     shard_home = {None: Location.DEVICE, "cpu": Location.HOST, "disk": Location.DISK}[offload]
-    grad_home = Location.HOST if offload == "cpu" and sharded_grads else Location.DEVICE
+    grad_home = Location.HOST if host_shards and not strategy.reduces_at_step else Location.DEVICE
     items = (
         MemoryItem("parameters", shard * b, shard_home, f"P b{over_n} = {shard:,} x {b}"),
         MemoryItem("gathered_parameters", gathered, Location.DEVICE, gathered_formula),

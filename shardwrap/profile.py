@@ -41,7 +41,8 @@ def memory_by_category(
     """Bytes this rank holds now, by category (each storage counted once).
 
     * ``full_params``: gathered buffers currently allocated (0 once every unit resharded
-      and freed them; always 0 for units of one shard, whose shard is the full tensor);
+      and freed them; always 0 for units of one shard whose shard is the full tensor, that
+      is without a low-precision or CPUOffload device copy);
     * ``param_shards``: each unit's flat shard, padding included;
     * ``grads``: gradients on the shard views, local gradients still on the full views
       (under ``no_sync``) and reduced gradients waiting for the presence vote;
@@ -54,7 +55,7 @@ def memory_by_category(
     totals = dict.fromkeys(MEMORY_CATEGORIES, 0)
     handles = [u.handle for u in model.units if u.handle is not None]
     for handle in handles:
-        if handle.num_shards > 1:
+        if handle.separate_full:
             totals["full_params"] += _storage_bytes(handle.flat_full, counted)
         totals["param_shards"] += _storage_bytes(handle.flat_shard, counted)
     for handle in handles:

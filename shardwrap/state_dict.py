@@ -121,6 +121,7 @@ def gather_flat(handle: FlatParamHandle, local_flat: torch.Tensor, purpose: str)
     """All-gather a shard-sized 1-D tensor of ``handle`` into its padded full size."""
     if handle.num_shards == 1:
         return local_flat
+    local_flat = local_flat.to(handle.compute_device)  # host shards (CPUOffload) gather there
     full = torch.empty(handle.layout.padded_numel, dtype=local_flat.dtype, device=local_flat.device)
     handle.shard_comm.all_gather(full, local_flat, purpose=purpose).wait()
     return full

@@ -17,6 +17,7 @@ from .collectives import CollectiveChecker, CommLedger, Communicator
 from .deferred_init import UnitMaterializer, has_meta
 from .groups import resolve_groups
 from .hooks import Unit
+from .host_offload import host_staging_for
 from .offload import DiskStore
 from .options import (
     BackwardPrefetch,
@@ -85,6 +86,7 @@ class ShardedModule(nn.Module):
         device_mesh: Any = None,
     ) -> None:
         super().__init__()
+        self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
         _check_module(module)
         if not collectives.is_initialized():
             raise RuntimeError(
@@ -99,8 +101,9 @@ class ShardedModule(nn.Module):
         sync_module_states = _check_bool("sync_module_states", sync_module_states)
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
         _check_unsupported(cpu_offload, module)
+        self.cpu_offload = cpu_offload
         self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
-            DiskStore(cpu_offload.path, collectives.world_rank())
+            DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
             if isinstance(cpu_offload, DiskOffload)
             else None
         )
@@ -149,7 +152,9 @@ class ShardedModule(nn.Module):
             strategy=self.sharding_strategy,
             mixed_precision=self.mixed_precision,
             full_precision=full_precision,
-            shard_allocator=self.disk_store.allocate if self.disk_store else None,
+            shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
+                self.disk_store.allocate if self.disk_store else host_staging_for(cpu_offload)
+            ),
         )
         if deferred or sync_module_states:
             materializer.finish(module, ignored)
@@ -277,6 +282,29 @@ class ShardedModule(nn.Module):
         if assign:
             raise ValueError("load_state_dict: assign=True is not supported by ShardedModule")
         return _state_dict.load_module_state_dict(self, state_dict, strict=strict)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        """Load our keys when a plain parent module's ``load_state_dict`` reaches us.
+
+        The parent walks into ``self.module`` afterwards, under the extra ``module.`` prefix
+        our keys do not have; ``_forget_inner_missing`` drops what that walk reports.
+        """
+        if local_metadata.get("assign_to_params_buffers"):
+            raise ValueError("load_state_dict: assign=True is not supported by ShardedModule")
+        ours = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        result = _state_dict.load_module_state_dict(self, ours, strict=False)
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        self._inner_prefix = prefix + "module."
+
+    @staticmethod
+    def _forget_inner_missing(module: ShardedModule, incompatible_keys) -> None:
+        inner = module.__dict__.pop("_inner_prefix", None)
+        if inner is not None:
+            missing = incompatible_keys.missing_keys
+            missing[:] = [k for k in missing if not k.startswith(inner)]
 
     # FSDP's static state-dict API (see shardwrap/state_dict.py).
     state_dict_type = staticmethod(_state_dict.state_dict_type)
@@ -407,9 +435,6 @@ def _check_unsupported(cpu_offload: Any, module: nn.Module) -> None:
         if isinstance(cpu_offload, DiskOffload):
             if on_accelerator:
                 raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
-            return
-        if cpu_offload.offload_params and on_accelerator:
-            raise ValueError("cpu_offload: offloading accelerator parameters is not supported yet")
 
 
 def _ignored_modules(

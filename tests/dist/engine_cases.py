@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 import shardwrap
 from shardwrap.lr_schedules import WarmupLR
-from tests import models
 from shardwrap.planner import STAGE_STRATEGIES
 from shardwrap.runtime import reduce_deferred_grads_for
+from tests import models
 from tests.dist.parity import build_model, check_shards, concat, wrap_policy
 
 LR = 0.01
@@ -249,17 +249,26 @@ def fp16_engine_equals_manual_scaling(rank: int, world_size: int, stage: int) ->
         assert new.grad is None
 
 
-def nvme_engine_equals_memory_engine(rank: int, world_size: int, path: str, stage: int) -> None:
-    """``offload_optimizer: {device: nvme}`` trains exactly like the same run in memory."""
+def nvme_engine_equals_memory_engine(
+    rank: int, world_size: int, path: str, stage: int, offload: tuple[str, ...] = ("optimizer",)
+) -> None:
+    """``offload_{optimizer,param}: {device: nvme}`` trains exactly like the same run in memory.
+
+    With ``param`` among ``offload``, also a small ``sub_group_size``: the step is streamed.
+    """
     model = build_model("gpt")
     in_memory = make_engine(copy.deepcopy(model), stage, 2, 0.5)
     nvme = {"device": "nvme", "nvme_path": path}
     config = {**ds_config(stage, 2, 0.5)}
-    config["zero_optimization"] = {"stage": stage, "offload_optimizer": nvme}
-    on_disk, _, _, _ = shardwrap.initialize(
+    config["zero_optimization"] = {"stage": stage, **{f"offload_{k}": nvme for k in offload}}
+    if "param" in offload:
+        config["zero_optimization"]["sub_group_size"] = 1000
+    on_disk, optimizer, _, _ = shardwrap.initialize(
         model=model, config=config, auto_wrap_policy=wrap_policy("gpt")
     )
-    assert on_disk.module.disk_store is not None
+    store = on_disk.module.disk_store
+    assert store is not None
+    assert store.sub_group_size == (1000 if "param" in offload else 1_000_000_000)
     for step in range(2):
         engine_step(in_memory, rank, step, world_size, 2)
         engine_step(on_disk, rank, step, world_size, 2)
@@ -267,3 +276,4 @@ def nvme_engine_equals_memory_engine(rank: int, world_size: int, path: str, stag
             in_memory.module.named_parameters(), on_disk.module.named_parameters(), strict=True
         ):
             torch.testing.assert_close(mapped, kept, rtol=0, atol=0, msg=name)
+    assert (store.num_sub_groups(optimizer) > 1) == ("param" in offload)

@@ -12,3 +12,12 @@ def test_disk_offload_matches_memory(tmp_path) -> None:
     leftovers = run_ranks(disk_cases.both_strategies, 3, str(tmp_path))
     assert leftovers == [[], [], []]
     assert os.listdir(tmp_path) == [], "every rank's scratch directory is removed at exit"
+
+
+def test_streamed_step_matches_memory(tmp_path) -> None:
+    """sub_group_size cuts the step into pieces; nothing changes bit for bit (3 ranks pad)."""
+    scratch, checkpoints = tmp_path / "scratch", tmp_path / "checkpoints"
+    scratch.mkdir()
+    leftovers = run_ranks(disk_cases.streamed_cases, 3, str(scratch), str(checkpoints))
+    assert leftovers == [[], [], []]
+    assert os.listdir(scratch) == []

@@ -23,7 +23,9 @@ def test_engine_matches_reference(tmp_path, world_size: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_engine_is_exact_on_one_rank(one_rank, stage: int) -> None:
-    engine_cases.train_engine_and_reference(0, 1, stage=stage, accumulation=1, clipping=0.0, exact=True)
+    engine_cases.train_engine_and_reference(
+        0, 1, stage=stage, accumulation=1, clipping=0.0, exact=True
+    )
 
 
 def test_engine_accumulates_and_clips_on_one_rank(one_rank) -> None:
@@ -48,3 +50,11 @@ def test_client_optimizer_on_one_rank(one_rank) -> None:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_nvme_offload_engine_on_one_rank(one_rank, tmp_path, stage: int) -> None:
     engine_cases.nvme_engine_equals_memory_engine(0, 1, str(tmp_path), stage)
+
+
+def test_nvme_param_offload_streams_the_step(one_rank, tmp_path) -> None:
+    """offload_param and offload_optimizer nvme with one path, sub_group_size 1000."""
+    engine_cases.nvme_engine_equals_memory_engine(
+        0, 1, str(tmp_path), 3, offload=("param", "optimizer")
+    )
+    engine_cases.nvme_engine_equals_memory_engine(0, 1, str(tmp_path), 3, offload=("param",))

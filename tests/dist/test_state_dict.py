@@ -99,3 +99,39 @@ def state_dict_worker(rank, world_size, source_strategy, target_strategy):
 )
 def test_full_state_dicts_round_trip_across_strategies(world_size, source, target):
     assert run_ranks(state_dict_worker, world_size, source, target) == [True] * world_size
+
+
+def _parent_with_sharded_child(seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(plain parent holding a FULL_SHARD child, the same model unwrapped)."""
+    torch.manual_seed(seed)
+    reference = torch.nn.Sequential(torch.nn.Linear(3, 12), models.MLP())
+    parent = copy.deepcopy(reference)
+    parent[1] = ShardedModule(parent[1])
+    return parent, reference
+
+
+def parent_load_worker(rank, world_size):
+    source, reference = _parent_with_sharded_child(seed=1)
+    target, _ = _parent_with_sharded_child(seed=2)  # different weights until loaded
+    saved = source.state_dict()
+    assert list(saved) == list(reference.state_dict())
+    result = target.load_state_dict(saved)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(target.state_dict()[key], value, **EXACT, msg=key)
+    x = torch.randn(5, 3)
+    # Weights are equal bit for bit; BLAS may round differently on the gathered buffers.
+    torch.testing.assert_close(target(x), reference(x))
+
+    partial = {k: v for k, v in saved.items() if k != "1.head.bias"}
+    partial["1.stray"] = torch.zeros(1)
+    with pytest.raises(RuntimeError) as error:
+        target.load_state_dict(partial)
+    message = str(error.value)
+    assert '"1.head.bias"' in message and '"1.stray"' in message and "module." not in message
+    loose = target.load_state_dict(partial, strict=False)
+    assert loose.missing_keys == ["1.head.bias"] and loose.unexpected_keys == ["1.stray"]
+
+
+def test_plain_parent_loads_a_sharded_child() -> None:
+    run_ranks(parent_load_worker, 2)

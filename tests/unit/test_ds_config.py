@@ -9,6 +9,8 @@ import torch
 
 from shardwrap.ds_config import DeepSpeedConfig, OffloadDevice, derive_batch_sizes
 from shardwrap.ds_optimizer import OptimizerType, SchedulerType
+from shardwrap.engine_setup import disk_offload_of
+from shardwrap.options import DiskOffload
 
 
 def load(**top) -> DeepSpeedConfig:
@@ -181,6 +183,27 @@ def test_offload_blocks():
         load(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})
     with pytest.raises(ValueError, match="offload_optimizer.device: expected one of"):
         load(zero_optimization={"stage": 2, "offload_optimizer": {"device": "gpu"}})
+
+
+def test_sub_group_size_and_param_offload_to_nvme():
+    zero = {
+        "stage": 3,
+        "sub_group_size": 1e6,
+        "offload_param": {"device": "nvme", "nvme_path": "/tmp/x"},
+    }
+    parsed = load(zero_optimization=zero).zero_optimization
+    assert parsed.sub_group_size == 1_000_000
+    assert disk_offload_of(parsed, on_accelerator=False) == DiskOffload("/tmp/x", 1_000_000)
+    both = {**zero, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}
+    parsed = load(zero_optimization=both).zero_optimization
+    assert disk_offload_of(parsed, on_accelerator=False) == DiskOffload("/tmp/x", 1_000_000)
+    with pytest.raises(ValueError, match="offload_param: 'nvme' offload of an accelerator"):
+        disk_offload_of(parsed, on_accelerator=True)
+    assert disk_offload_of(load().zero_optimization, on_accelerator=False) is None
+    with pytest.raises(ValueError, match="zero_optimization.sub_group_size: must be >= 1, got 0"):
+        load(zero_optimization={"stage": 3, "sub_group_size": 0})
+    with pytest.raises(ValueError, match="offload_param: parameter offload needs stage 3"):
+        load(zero_optimization={**zero, "stage": 2})
 
 
 def test_optimizer_block_builds_deepspeed_semantics():

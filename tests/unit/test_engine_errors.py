@@ -39,9 +39,29 @@ def test_needs_a_process_group():
                 "zero_optimization": {
                     "stage": 3,
                     "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+                    "offload_optimizer": {"device": "cpu"},
                 }
             },
-            "offload_param.device: 'nvme' is not supported",
+            r"offload_param \{device: nvme\} with offload_optimizer \{device: cpu\} is not",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/var/tmp"},
+                }
+            },
+            "offload_param.nvme_path='/tmp', offload_optimizer.nvme_path='/var/tmp' differ",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+                }
+            },
+            "'nvme' keeps optimizer state on disk for Adam and AdamW only, got SGD",
         ),
         (
             {
