@@ -29,10 +29,9 @@ optimizer state are in the master dtype, as torch's optimizers keep their state 
 parameter's dtype.
 
 Offload moves categories off the device: ``"cpu"`` puts parameter shards, optimizer
-state and the gradients handed to the optimizer in host memory (except ZeRO-1's, full
-and local on the device until the step), and with one shard the gathered buffer becomes
-a device copy of the host shard (``CPUOffload``); ``"disk"`` puts parameter shards and
-optimizer state in files (memory-mapped).
+state and the gradients handed to the optimizer in host memory, and with one shard the
+gathered buffer becomes a device copy of the host shard (``CPUOffload``); ``"disk"`` puts
+parameter shards and optimizer state in files (memory-mapped).
 """
 
 from __future__ import annotations
@@ -350,7 +349,7 @@ def _estimate_one(
     over_n = "" if n == 1 else " / N"
     b = elem.master
     shard_home = {None: Location.DEVICE, "cpu": Location.HOST, "disk": Location.DISK}[offload]
-    grad_home = Location.HOST if host_shards and not strategy.reduces_at_step else Location.DEVICE
+    grad_home = Location.HOST if host_shards else Location.DEVICE  # ZeRO-1's reduced in backward
     items = (
         MemoryItem("parameters", shard * b, shard_home, f"P b{over_n} = {shard:,} x {b}"),
         MemoryItem("gathered_parameters", gathered, Location.DEVICE, gathered_formula),
