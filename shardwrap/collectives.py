@@ -89,6 +89,31 @@ class _DoneWork:
         return True
 
 
+class _KeepSlice:
+    """Waits for an in-place all-reduce, then copies this rank's slice out of it.
+
+    [Note: gloo reduce-scatter]
+    torch's gloo backend implements a reduce-scatter as a clone of the whole input, an
+    all-reduce of that clone and a copy of this rank's slice, so on gloo the same bytes
+    cross the wire either way. When the caller's input is scratch (a flat gradient built
+    for this collective), all-reducing it in place skips that full-size clone.
+    """
+
+    def __init__(self, work, out_shard: torch.Tensor, in_full: torch.Tensor, rank: int, size: int):
+        self._work = work
+        self._out_shard = out_shard
+        self._in_full = in_full  # 1D, size * out_shard.numel() elements
+        self._rank = rank
+        self._size = size
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        if self._in_full is not None:
+            self._out_shard.copy_(self._in_full.view(self._size, -1)[self._rank])
+            self._in_full = None
+        return done
+
+
 class Communicator:
     """Collectives over one process group, recorded in ``ledger``.
 
@@ -108,6 +133,7 @@ class Communicator:
         # torch's default) reduces them where they are.
         self.host_capable = group is None or backend_handles_cpu(dist.get_backend(group))
         self.staging_device: torch.device | None = None  # None: the current accelerator
+        self._gloo = group is not None and dist.get_backend(group) == "gloo"
 
     def all_gather(
         self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit: str = ""
@@ -121,13 +147,26 @@ class Communicator:
         return self._timed(work, start)
 
     def reduce_scatter(
-        self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit: str = ""
+        self,
+        out_shard: torch.Tensor,
+        in_full: torch.Tensor,
+        *,
+        purpose: str,
+        unit: str = "",
+        input_is_scratch: bool = False,
     ):
-        """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``."""
+        """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``.
+
+        ``input_is_scratch``: the caller never reads ``in_full`` again, so the collective
+        may overwrite it (see [Note: gloo reduce-scatter]).
+        """
         if self.size == 1:
             out_shard.copy_(in_full)
             return _DoneWork()
         start = self._record("reduce_scatter", purpose, in_full, unit)
+        if input_is_scratch and self._gloo and in_full.device.type == "cpu":
+            work = dist.all_reduce(in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            return self._timed(_KeepSlice(work, out_shard, in_full, self.rank, self.size), start)
         work = dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )

@@ -181,7 +181,7 @@ class ShardedEngine(nn.Module):
 
     def _unscale_gradients(self) -> bool:
         """fp16: divide the gradients by the loss scale; False if any rank saw inf/NaN."""
-        reduce_deferred_grads_for(self.optimizer)  # ZeRO-1 gradients are still local
+        reduce_deferred_grads_for(self.optimizer)  # ZeRO-1 gradients left by no_sync, if any
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if self.loss_scaler.dynamic:  # type: ignore[union-attr]
             local = any(not bool(torch.isfinite(g).all()) for g in grads)

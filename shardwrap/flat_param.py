@@ -331,7 +331,7 @@ class FlatParamHandle:
             self.layout.shard_numel, dtype=self.reduce_dtype, device=flat_grad.device
         )
         work = self.shard_comm.reduce_scatter(
-            reduced, flat_grad, purpose="grads", unit=self.comm_label
+            reduced, flat_grad, purpose="grads", unit=self.comm_label, input_is_scratch=True
         )
         self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
 
@@ -384,16 +384,25 @@ class FlatParamHandle:
         self.local_grad_present = [False] * len(self.full_params)
         if pending is None:
             return
+        # Views of the reduced buffer when they cover all of it (no padding, no frozen or
+        # absent parameter's slot): a copy per parameter would cost a pass over the gradient
+        # and hold nothing less. Otherwise copies, so that no dead slot outlives the step.
+        as_views = self._grads_cover(pending, global_present)
         for index, param in enumerate(self.shard_params):
             if not global_present[index]:
                 continue
             grad = self.shard_view(pending, index)
             if param.grad is None:
-                # A copy, not a view: a view would keep the whole reduced buffer (padding and
-                # frozen parameters' slots included) alive for as long as any gradient lives.
-                param.grad = grad.clone()
+                param.grad = grad if as_views else grad.clone()
             else:
                 param.grad.add_(grad)
+
+    def _grads_cover(self, pending: torch.Tensor, global_present: list[bool]) -> bool:
+        present = [i for i, info in enumerate(self.layout.params) if global_present[i]]
+        if any(self.shard_params[i].grad is not None for i in present):
+            return False  # accumulating onto earlier gradients: views would leave dead slots
+        used = sum(self.shard_view(pending, i).numel() for i in present)
+        return used == pending.numel()
 
     def late_grad_names(self) -> list[str]:
         """Parameters whose local gradient arrived after this unit was reduced."""

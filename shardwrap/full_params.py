@@ -89,7 +89,7 @@ def summon_full_params(
             raise RuntimeError(f"summon_full_params: unit {unit.name!r} is in backward")
     if with_grads:
         for runtime in {id(u.runtime): u.runtime for u in units if u.runtime}.values():
-            runtime.reduce_deferred_grads()  # ZeRO-1: make the gradients reduced shards
+            runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
     mine = [u.handle for u in units if u.handle not in _SUMMONED]
     showing = not rank0_only or collectives.world_rank() == 0
     summons = [_Summon(h, writeback, showing, offload_to_cpu, with_grads) for h in mine]

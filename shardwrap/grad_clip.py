@@ -48,7 +48,7 @@ def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 def sharded_grad_norm(model: ShardedModule, norm_type: float) -> tuple[torch.Tensor, list]:
     """Total ``norm_type`` norm of the full gradients, and the local gradient tensors."""
-    model._runtime.reduce_deferred_grads()  # ZeRO-1 grads are full and local until reduced
+    model._runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     by_comm: dict[int, tuple] = {}
     managed: set[int] = set()

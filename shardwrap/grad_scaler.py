@@ -92,7 +92,7 @@ class ShardedGradScaler:
         key = id(optimizer)
         if self._stage.get(key, _OptimizerStage.READY) is not _OptimizerStage.READY:
             raise RuntimeError("unscale_() was already called on this optimizer since update()")
-        reduce_deferred_grads_for(optimizer)  # ZeRO-1 gradients are reduced at the step
+        reduce_deferred_grads_for(optimizer)  # ZeRO-1 gradients left by no_sync backwards
         inverse = 1.0 / self._scale
         local_inf = False
         with torch.no_grad():

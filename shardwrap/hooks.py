@@ -104,13 +104,13 @@ class Unit:
             runtime.schedule.after_pre_backward(self, runtime.execution_order)
 
     def post_backward(self) -> None:
-        """Reduce this unit's gradients (unless deferred) and reshard."""
+        """Reduce this unit's gradients (unless under ``no_sync``) and reshard."""
         if self.state is TrainingState.BACKWARD_DONE or self.state is TrainingState.IDLE:
             return
         runtime = self._runtime()
         handle = self.handle
         if handle is not None:
-            if runtime.sync_grads and not self.strategy.reduces_at_step:
+            if runtime.sync_grads:  # ZeRO-1 too: see [Note: ZeRO-1 reduces in backward]
                 runtime.schedule.start_reduce(handle)
             handle.reshard(free=self.strategy.free_after_backward)
         self.state = TrainingState.BACKWARD_DONE

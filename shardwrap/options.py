@@ -48,7 +48,11 @@ class ShardingStrategy(enum.Enum):
 
     @property
     def reduces_at_step(self) -> bool:
-        """Gradients stay full and local until the optimizer steps (ZeRO-1)."""
+        """Gradients left by ``no_sync`` backwards are reduced at the optimizer step (ZeRO-1).
+
+        Synchronising backwards reduce ZeRO-1 gradients as they go, like ZeRO-2's; see
+        [Note: ZeRO-1 reduces in backward] in ``runtime.py``.
+        """
         return self is ShardingStrategy.SHARD_OPTIM
 
     @classmethod

@@ -9,13 +9,14 @@ optimizer-state tensors per trainable element (AdamW/Adam: 2, SGD with momentum:
 
     stage  strategy        parameters  gathered parameters (peak)   gradients  optimizer
     0      NO_SHARD        P b         0 (P c kept if c != b)       T b        k T b
-    1      SHARD_OPTIM     P b / N     P c (kept between steps)     T c        k T b / N
+    1      SHARD_OPTIM     P b / N     P c (kept between steps)     T b / N    k T b / N
     2      SHARD_GRAD_OP   P b / N     P c (all units, fwd to bwd)  T b / N    k T b / N
     3      FULL_SHARD      P b / N     (chain + next unit) c        T b / N    k T b / N
 
 plus the model's buffers (never sharded). With one shard and no cast nothing is
-gathered: the full buffer *is* the shard. ZeRO-1 keeps full local gradients (in the
-compute dtype) from backward until the optimizer step reduces them. "chain": a unit
+gathered: the full buffer *is* the shard. ZeRO-1 reduces each unit's gradients in
+backward as ZeRO-2 does, so it too holds gradient shards (full local gradients only under
+``no_sync``, as every stage does; not counted). "chain": a unit
 stays gathered while the units inside it run (the root unit all through forward and
 backward), so the ZeRO-3 peak is the largest sum of gathered sizes along one path of
 nested units, plus the unit that backward prefetch (``BACKWARD_PRE``, the default)
@@ -32,10 +33,9 @@ the threshold counts as one shard: whole parameters, gradients and optimizer sta
 every rank, and nothing gathered unless it is cast. ``N`` then applies to the other units.
 
 Offload moves categories off the device: ``"cpu"`` puts parameter shards, optimizer
-state and the gradients handed to the optimizer in host memory (except ZeRO-1's, full
-and local on the device until the step), and with one shard the gathered buffer becomes
-a device copy of the host shard (``CPUOffload``); ``"disk"`` puts parameter shards and
-optimizer state in files (memory-mapped).
+state and the gradients handed to the optimizer in host memory, and with one shard the
+gathered buffer becomes a device copy of the host shard (``CPUOffload``); ``"disk"`` puts
+parameter shards and optimizer state in files (memory-mapped).
 """
 
 from __future__ import annotations
@@ -355,10 +355,8 @@ def _gathered(
 
 
 def _gradients(strategy: ShardingStrategy, trainable: int, trainable_shard: int, e: _Bytes):
-    if strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD):
+    if strategy is not ShardingStrategy.NO_SHARD:  # reduced to shards in backward (ZeRO-1 too)
         return trainable_shard * e.master, f"T b / N = {trainable_shard:,} x {e.master}"
-    if strategy is ShardingStrategy.SHARD_OPTIM:  # full local gradients until the step
-        return trainable * e.compute, f"T c = {trainable:,} x {e.compute}"
     return trainable * e.master, f"T b = {trainable:,} x {e.master}"
 
 
@@ -384,7 +382,7 @@ def _estimate_one(
     over_n = "" if n == 1 else " / N"
     b = elem.master
     shard_home = {None: Location.DEVICE, "cpu": Location.HOST, "disk": Location.DISK}[offload]
-    grad_home = Location.HOST if host_shards and not strategy.reduces_at_step else Location.DEVICE
+    grad_home = Location.HOST if host_shards else Location.DEVICE  # ZeRO-1's reduced in backward
     items = (
         MemoryItem("parameters", shard * b, shard_home, f"P b{over_n} = {shard:,} x {b}"),
         MemoryItem("gathered_parameters", gathered, Location.DEVICE, gathered_formula),

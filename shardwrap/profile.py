@@ -45,8 +45,7 @@ def memory_by_category(
       is without a low-precision or CPUOffload device copy);
     * ``param_shards``: each unit's flat shard, padding included;
     * ``grads``: gradients on the shard views, local gradients still on the full views
-      (ZeRO-1 until the optimizer steps, or under ``no_sync``) and reduced gradients
-      waiting for the presence vote;
+      (under ``no_sync``) and reduced gradients waiting for the presence vote;
     * ``optimizer_state``: every tensor ``optimizer`` keeps for this model's parameters
       (for AdamW: ``exp_avg``, ``exp_avg_sq`` and the one-element ``step``).
     """

@@ -7,6 +7,16 @@ cannot tell that alone: the parameter may have been used by another rank's data.
 unit therefore reduces zeros for its missing gradients, and once per optimizer-visible
 gradient update one small all-reduce (MAX) of per-parameter "had a gradient" flags
 decides, for every rank alike, which shard views receive a gradient.
+
+[Note: ZeRO-1 reduces in backward]
+ZeRO-1 (``SHARD_OPTIM``) shards only the optimizer state, yet its gradients are reduced
+like ZeRO-2's: each unit's reduce-scatter is issued when the unit's backward ends and
+overlaps the rest of backward, as DDP's all-reduces do, and the full local gradient is
+freed once reduced. Reducing at the optimizer step instead would serialise all gradient
+traffic after backward. Under ``no_sync`` full local gradients accumulate on the full
+views; the next synchronising backward reduces their sum. If no synchronising backward
+follows (``no_sync`` backwards, then ``optimizer.step()``), the optimizer step pre-hook
+reduces what they left, so no accumulated gradient is ever dropped.
 """
 
 from __future__ import annotations
@@ -26,12 +36,12 @@ from .hooks import TrainingState, Unit
 from .schedule import Schedule
 
 # Runtimes whose optimizer hooks are live, so that code holding only an optimizer (a grad
-# scaler) can make ZeRO-1 gradients reduced before reading them.
+# scaler) can make ZeRO-1 gradients left by ``no_sync`` backwards reduced before reading them.
 _LIVE_RUNTIMES: weakref.WeakSet[StepRuntime] = weakref.WeakSet()
 
 
 def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
-    """Reduce pending ZeRO-1 gradients of every root that owns ``optimizer``'s parameters."""
+    """Reduce unreduced ZeRO-1 gradients of every root that owns ``optimizer``'s parameters."""
     for runtime in list(_LIVE_RUNTIMES):
         if runtime.sync_grads and runtime._owns(optimizer):
             runtime.reduce_deferred_grads()
@@ -47,7 +57,8 @@ class StepRuntime:
         self.sync_grads = True
         self.execution_order: list[Unit] = []  # units in first-forward order this step
         self._finalize_queued = False
-        # ZeRO-1: a backward left full local gradients that the next step must reduce.
+        # ZeRO-1: a ``no_sync`` backward left full local gradients that no synchronising
+        # backward reduced since; the optimizer step reduces them.
         self.deferred_grads_pending = False
         self._step_hooks: list = []
         for unit in units:
@@ -87,18 +98,30 @@ class StepRuntime:
     def finalize_backward(self) -> None:
         """End of backward: reduce the units autograd did not reach, then vote on presence."""
         self._finalize_queued = False
-        self.deferred_grads_pending = True
+        self._update_deferred_pending()
         for unit in reversed(self.execution_order):
             if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
                 unit.post_backward()
         self.schedule.end_step(self.execution_order)
         if self.sync_grads:
-            step_units = [u for u in self.units if not u.strategy.reduces_at_step]
-            self._check_late_grads(step_units)
-            self.vote_and_assign(step_units)
+            self._check_late_grads(self.units)
+            self.vote_and_assign(self.units)
         for unit in self.units:
             unit.state = TrainingState.IDLE
         self.execution_order.clear()
+
+    def _update_deferred_pending(self) -> None:
+        # A synchronising backward reduces only the units it reached; a ZeRO-1 unit it did
+        # not reach may still hold gradients from an earlier ``no_sync`` backward. The
+        # execution order is the same on every rank, so every rank decides alike.
+        if not self.sync_grads:
+            self.deferred_grads_pending = True
+        elif self.deferred_grads_pending:
+            self.deferred_grads_pending = any(
+                u.strategy.reduces_at_step and u.handle is not None
+                for u in self.units
+                if u not in self.execution_order
+            )
 
     def _check_late_grads(self, units: list[Unit]) -> None:
         for unit in units:
@@ -129,10 +152,12 @@ class StepRuntime:
 
     # ----------------------------------------------------- ZeRO-1 step hooks
     def reduce_deferred_grads(self) -> None:
-        """ZeRO-1: reduce the full local gradients once, right before the optimizer steps.
+        """ZeRO-1: reduce full local gradients that ``no_sync`` backwards left, before a step.
 
-        A no-op when no backward ran since the last reduction (a second call, or a step
-        before any backward), so gradient clipping can flush early without double counting.
+        A no-op when every backward since the last reduction synchronised (the usual case:
+        gradients were reduced during backward), on a second call, or before any backward,
+        so gradient clipping can flush early without double counting.
+        See [Note: ZeRO-1 reduces in backward].
         """
         if not self.deferred_grads_pending:
             return

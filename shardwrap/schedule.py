@@ -12,8 +12,23 @@ run while this rank computes. The schedule decides:
   order that has not run backward yet); ``BACKWARD_POST`` issues it once the current
   unit's backward is done instead, holding one gathered unit less at a time;
 * reductions: a unit's gradient reduction is issued when its backward ends and waited for
-  when the next unit's reduction is issued (or at the end of backward), so at most one
-  flat gradient per root is in flight: gradient memory stays bounded, as ZeRO-2/3 promise.
+  as late as memory allows (see [Note: reductions in flight]).
+
+[Note: reductions in flight]
+Waiting for a reduction blocks this rank's backward until its peers have caught up, so
+every wait is a synchronisation point that costs scheduling jitter, and on CPU the
+collective competes for the same cores anyway. Reductions are therefore waited for as
+late as memory allows, always oldest first, at points fixed by the order of backward
+alone (never by timing), so every rank waits, and issues the replica all-reduce of
+hybrid strategies, at the same place:
+
+* an all-reduce in place (one shard: data parallel) holds nothing beyond the gradient
+  itself, so these are waited for only at the end of backward, as DDP waits for its
+  buckets;
+* a reduce-scatter holds its unit's full flat gradient until it is done. At most
+  ``MAX_SHARDED_REDUCES_IN_FLIGHT`` are in flight; issuing one more first waits for the
+  oldest, so gradient memory stays bounded, as ZeRO-1/2/3 promise. (Two in flight gave
+  no consistent gain on the benchmark's shared 2-core machine, so the bound stays one.)
 
 Prefetching only ever looks one unit ahead, so at most two units are gathered at a time
 beyond the ones enclosing the current one (``limit_all_gathers``). Every choice depends
@@ -34,6 +49,10 @@ from .options import BackwardPrefetch
 if TYPE_CHECKING:
     from .hooks import Unit
 
+# Reduce-scatters in flight at once, each holding its unit's full flat gradient; see
+# [Note: reductions in flight].
+MAX_SHARDED_REDUCES_IN_FLIGHT = 1
+
 
 class Schedule:
     """Prefetch and reduction-overlap decisions for one root's units."""
@@ -49,6 +68,7 @@ class Schedule:
         self._reducing: list[FlatParamHandle] = []  # reductions issued and not yet waited
         self._bucket = ReduceBucket()  # units waiting to be reduced together
         self._issued_buckets: list[ReduceBucket] = []  # fused reductions not yet waited
+        self.max_sharded_reduces_in_flight = MAX_SHARDED_REDUCES_IN_FLIGHT
 
     # ------------------------------------------------------------- prefetch
     def after_pre_forward(self, unit: Unit) -> None:
@@ -114,7 +134,8 @@ class Schedule:
     def start_reduce(self, handle: FlatParamHandle) -> None:
         """Issue ``handle``'s reduction (alone, or as part of a bucket)."""
         if self.reduce_bucket_bytes <= 0:
-            self.finish_reduces()  # one reduction in flight: bounded gradient memory
+            if not _reduces_in_place(handle):
+                self._wait_for_sharded_room()
             handle.start_reduce_grads()
             self._reducing.append(handle)
             return
@@ -132,6 +153,14 @@ class Schedule:
         self._bucket.issue()
         self._issued_buckets.append(self._bucket)
         self._bucket = ReduceBucket()
+
+    def _wait_for_sharded_room(self) -> None:
+        # Oldest first, so every rank waits (and issues replica all-reduces) alike.
+        sharded = [h for h in self._reducing if not _reduces_in_place(h)]
+        while len(sharded) >= self.max_sharded_reduces_in_flight:
+            oldest = sharded.pop(0)
+            oldest.finish_reduce_grads()
+            self._reducing.remove(oldest)
 
     def finish_reduces(self) -> None:
         for handle in self._reducing:
@@ -174,3 +203,8 @@ def _not_run_yet(units: list[Unit]) -> list[Unit]:
     from .hooks import TrainingState
 
     return list(itertools.takewhile(lambda u: u.state is TrainingState.IDLE, units))
+
+
+def _reduces_in_place(handle: FlatParamHandle) -> bool:
+    """Whether ``handle``'s reduction is an all-reduce in place (no memory of its own)."""
+    return handle.num_shards == 1 and handle.replicate_comm is not None

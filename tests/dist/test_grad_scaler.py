@@ -75,7 +75,7 @@ def _inf_on_one_rank(rank: int, world_size: int, strategy: str) -> tuple[float, 
     scaler = shardwrap.ShardedGradScaler(init_scale=2.0**8)
     before = [p.detach().clone() for p in sharded.parameters()]
     scaler.scale(loss_for("gpt", sharded, batch_for("gpt", rank), 0)).backward()
-    reduce_deferred_grads_for(optim)  # ZeRO-1: reduce now, so we can poison a reduced shard
+    reduce_deferred_grads_for(optim)  # a no-op: every strategy reduced in backward
     if rank == world_size - 1:
         grad = next(p.grad for p in sharded.parameters() if p.grad is not None and p.numel())
         grad.view(-1)[0] = float("inf")
@@ -102,4 +102,3 @@ def test_fp16_scaler_matches_torch_and_skips_together(world_size):
             assert scales == results[0][strategy]
             assert min(scales) < INIT_SCALE, "the run must exercise a skipped step"
             assert per_rank[strategy, "inf"] == (2.0**7, True), (strategy, per_rank)
-

@@ -19,7 +19,7 @@ def test_count_formulas_per_stage():
     # DeepSpeed-style sanity: fp32 AdamW with nothing sharded is 16 bytes per parameter.
     assert by_stage[0].device_bytes == 16 * P
     assert by_stage[1].bytes("optimizer_state") == 2 * 4 * P // N
-    assert by_stage[1].bytes("gradients") == 4 * P
+    assert by_stage[1].bytes("gradients") == 4 * P // N  # ZeRO-1 reduces in backward
     assert by_stage[2].bytes("gradients") == 4 * P // N
     assert by_stage[3].bytes("gathered_parameters") == 4 * P  # one unit: the whole model
     small = estimate_memory(P, world_size=N, stage=3, largest_unit_params=200_000_000)
@@ -45,7 +45,7 @@ def test_mixed_precision_keeps_fp32_master_and_state():
     mixed = estimate_memory(P, world_size=N, stage=1, compute_dtype=torch.bfloat16)
     assert mixed.bytes("parameters") == 4 * P // N and mixed.bytes("optimizer_state") == 8 * P // N
     assert mixed.bytes("gathered_parameters") == 2 * P  # the bf16 working copy
-    assert mixed.bytes("gradients") == 2 * P  # ZeRO-1: bf16 local gradients until the step
+    assert mixed.bytes("gradients") == 4 * P // N  # ZeRO-1: fp32 shards, reduced in backward
     one_rank = estimate_memory(P, world_size=1, stage=0, compute_dtype=torch.bfloat16)
     assert one_rank.bytes("gathered_parameters") == 2 * P  # a cast copy even with one shard
 
