@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import batch_weight, collectives, forward_methods, full_params, grad_clip, optimizer_guard
+from . import batch_weight, collectives, forward_methods, full_params, grad_clip
 from . import mixed_precision as precision
 from . import state_dict as _state_dict
 from .collectives import CollectiveChecker, CommLedger, Communicator
@@ -26,7 +26,7 @@ from .options import (
     MixedPrecision,
     ShardingStrategy,
 )
-from .persistence import UnitComms, check_threshold, is_persistent, persistent_comms
+from .persistence import check_threshold, persistent_comms
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -41,7 +41,15 @@ from .policies import (
 )
 from .runtime import StepRuntime
 from .schedule import Schedule
-from .units import assign_params, build_unit, collect_params
+from .units import assign_params, collect_params
+from .wrap_setup import (
+    build_units,
+    check_bool,
+    check_one_device,
+    check_unsupported,
+    full_precision_units,
+    resolve_ignored,
+)
 
 __all__ = [
     "ShardedModule",
@@ -102,14 +110,14 @@ class ShardedModule(nn.Module):
             )
         self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
         self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
-        self.forward_prefetch = _check_bool("forward_prefetch", forward_prefetch)
-        self.limit_all_gathers = _check_bool("limit_all_gathers", limit_all_gathers)
-        self.use_orig_params = _check_bool("use_orig_params", use_orig_params)
-        sync_module_states = _check_bool("sync_module_states", sync_module_states)
+        self.forward_prefetch = check_bool("forward_prefetch", forward_prefetch)
+        self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
+        self.use_orig_params = check_bool("use_orig_params", use_orig_params)
+        sync_module_states = check_bool("sync_module_states", sync_module_states)
         # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
         self.param_persistence_threshold = check_threshold(param_persistence_threshold)
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
-        _check_unsupported(cpu_offload, module)
+        check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
         self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
             DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
@@ -117,7 +125,7 @@ class ShardedModule(nn.Module):
             else None
         )
         policy = as_policy(auto_wrap_policy)
-        ignored = _ignored_modules(ignored_modules, ignored_states, module)
+        ignored = resolve_ignored(ignored_modules, ignored_states, module)
         groups = resolve_groups(self.sharding_strategy, process_group, device_mesh)
         self.comm_ledger = CommLedger()
         world_comm = Communicator(groups.world_group, self.comm_ledger)
@@ -141,12 +149,12 @@ class ShardedModule(nn.Module):
         excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
         absorbed_modules = {u.module for u in absorbed}
         unit_modules = select_units(module, policy, ignored | absorbed_modules)
-        full_precision = _full_precision_units(module, self.mixed_precision, ignored)
+        full_precision = full_precision_units(module, self.mixed_precision, ignored)
         unit_modules += [m for m in full_precision if m not in unit_modules]
         precision.cast_buffers(module, self.mixed_precision, keep=full_precision)
         records = collect_params(module, ignored, excluded)
         if not deferred:
-            _check_one_device(records)
+            check_one_device(records)
         owned = assign_params(module, unit_modules, records)
         del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
         materializer = UnitMaterializer(
@@ -157,7 +165,7 @@ class ShardedModule(nn.Module):
             device,
             sync_comm=world_comm if sync_module_states else None,
         )
-        new_units = _build_units(
+        new_units = build_units(
             module,
             unit_modules,
             owned,
@@ -219,8 +227,8 @@ class ShardedModule(nn.Module):
         forward and backward. ``root_only`` (default) applies it to the root's own unit.
         Strategies that never free (ZeRO-1, NO_SHARD) are unaffected.
         """
-        value = _check_bool("reshard", reshard)
-        for unit in self._units[:1] if _check_bool("root_only", root_only) else self._units:
+        value = check_bool("reshard", reshard)
+        for unit in self._units[:1] if check_bool("root_only", root_only) else self._units:
             unit.reshard_after_forward_override = value
 
     def set_reduce_bucket_size(self, num_bytes: int) -> None:
@@ -254,7 +262,7 @@ class ShardedModule(nn.Module):
         """Check before every collective that all ranks run the same one (see
         :class:`shardwrap.collectives.CollectiveChecker`); a divergence raises on every rank
         instead of hanging. Costs one small object all-gather per collective."""
-        checker = CollectiveChecker(timeout_s) if _check_bool("enabled", enabled) else None
+        checker = CollectiveChecker(timeout_s) if check_bool("enabled", enabled) else None
         for comm in self._communicators():
             comm.checker = checker
 
@@ -400,96 +408,6 @@ def _is_nested_root(root: nn.Module, sub: nn.Module) -> bool:
     )
 
 
-def _check_bool(argument: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{argument}: expected a bool, got {value!r}")
-    return value
-
-
-def _build_units(
-    root: nn.Module,
-    unit_modules: list[nn.Module],
-    owned: dict[int, list],
-    *,
-    materializer: UnitMaterializer | None,
-    shard_comm: Communicator,
-    replicate_comm: Communicator | None,
-    strategy: ShardingStrategy,
-    mixed_precision: MixedPrecision | None,
-    full_precision: list[nn.Module],
-    shard_allocator=None,
-    persistent: tuple[UnitComms | None, int] = (None, 0),
-) -> list[Unit]:
-    """One unit per module, root first; materialise each right before it is sharded.
-
-    ``owned`` is consumed, so each unit's full parameters die once its shard is built
-    ([Note: unit-by-unit materialisation] in ``deferred_init.py``).
-    """
-    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    units = []
-    for module in [root, *unit_modules]:
-        records = owned.pop(id(module))
-        if materializer is not None:
-            materializer.prepare(module, records, root)
-        optimizer_guard.retire([r.param for r in records])
-        comms = UnitComms(shard_comm, replicate_comm)
-        kept_whole, threshold = persistent
-        if kept_whole is not None and is_persistent(
-            sum(r.param.numel() for r in records), threshold
-        ):
-            comms = kept_whole
-        units.append(
-            build_unit(
-                name=names[id(module)],
-                module=module,
-                records=records,
-                shard_comm=comms.shard,
-                replicate_comm=comms.replicate,
-                strategy=strategy,
-                mixed_precision=None if module in full_precision else mixed_precision,
-                shard_allocator=shard_allocator,
-            )
-        )
-        del records
-    return units
-
-
-def _full_precision_units(
-    module: nn.Module, policy: MixedPrecision | None, ignored: set[nn.Module]
-) -> list[nn.Module]:
-    ignored_ids = {id(m) for top in ignored for m in top.modules()}
-    return [m for m in precision.excluded_modules(module, policy) if id(m) not in ignored_ids]
-
-
-def _check_unsupported(cpu_offload: Any, module: nn.Module) -> None:
-    if cpu_offload is not None:
-        if not isinstance(cpu_offload, (CPUOffload, DiskOffload)):
-            raise TypeError(
-                f"cpu_offload: expected CPUOffload or DiskOffload, got {type(cpu_offload).__name__}"
-            )
-        on_accelerator = any(p.device.type not in ("cpu", "meta") for p in module.parameters())
-        if isinstance(cpu_offload, DiskOffload):
-            if on_accelerator:
-                raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
-
-
-def _ignored_modules(
-    ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None, root
-) -> set[nn.Module]:
-    ignored: set[nn.Module] = set()
-    for source, values in (
-        ("ignored_modules", ignored_modules),
-        ("ignored_states", ignored_states),
-    ):
-        for item in values or ():
-            if not isinstance(item, nn.Module):
-                raise TypeError(f"{source}: expected nn.Module entries, got {type(item).__name__}")
-            if item is root:
-                raise ValueError(f"{source}: cannot ignore the root module itself")
-            ignored.add(item)
-    return ignored
-
-
 def _absorb_nested(module: nn.Module) -> list[Unit]:
     """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
 
@@ -508,15 +426,3 @@ def _absorb_nested(module: nn.Module) -> list[Unit]:
                 adopted.extend(child._units)
                 parent._modules[child_name] = child.module
     return adopted
-
-
-def _check_one_device(records: list) -> None:
-    devices: dict[torch.device, str] = {}
-    for record in records:
-        devices.setdefault(record.param.device, record.fqn)
-    if len(devices) > 1:
-        found = ", ".join(f"{fqn} on {device}" for device, fqn in devices.items())
-        raise ValueError(
-            f"module: parameters on mixed devices ({found}); move the module to one device "
-            "or pass device_id"
-        )

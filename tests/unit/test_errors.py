@@ -11,7 +11,7 @@ from torch import nn
 
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
-from shardwrap.wrap import _check_one_device
+from shardwrap.wrap_setup import check_one_device
 from tests import models
 
 
@@ -62,7 +62,7 @@ def test_mixed_devices_are_named():
         SimpleNamespace(fqn="b.weight", param=SimpleNamespace(device=torch.device("cuda", 0))),
     ]
     with pytest.raises(ValueError, match=r"mixed devices \(a.weight on cpu, b.weight on cuda:0\)"):
-        _check_one_device(records)
+        check_one_device(records)
 
 
 def test_hybrid_layout_must_tile(one_rank):
