@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import shardwrap
 from tests import models
@@ -65,6 +66,42 @@ def test_prefetch_keeps_traffic_and_memory_as_the_theory() -> None:
     assert root_kept["gathers"] == 2 * root_kept["num_units"] - 1
     assert root_kept["held_between"] == [True] + [False] * (root_kept["num_units"] - 1)
     assert root_kept["after_step"] == [0] * root_kept["num_units"]
+
+
+def _gathers_issued_worker(rank: int, world_size: int, strategy: str) -> list[int]:
+    """All-gathers issued by the time each unit's forward starts, in the third step."""
+    torch.manual_seed(0)
+    model = shardwrap.ShardedModule(
+        models.TinyGPT(depth=4),  # enough units that one-ahead and all-at-once differ
+        sharding_strategy=strategy,
+        auto_wrap_policy=wrap_policy("gpt"),
+        forward_prefetch=True,
+    )
+    model.set_reshard_after_forward(False)  # the root stays gathered, as in the benchmark
+    issued: list[int] = []
+    for unit in model.units[1:]:
+        unit.module.register_forward_pre_hook(
+            lambda *_: issued.append(model.comm_ledger.count("all_gather", "params"))
+        )
+    optim = make_optimizer(model, "adamw")
+    for step in range(3):
+        issued.clear()
+        model.comm_ledger.reset()
+        models.gpt_loss(model, models.gpt_batch(step + rank)).backward()
+        optim.step()
+        optim.zero_grad()
+    return issued
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "SHARD_OPTIM", "FULL_SHARD"])
+def test_units_kept_to_backward_are_prefetched_together(strategy: str) -> None:
+    issued = run_ranks(_gathers_issued_worker, 2, strategy)[0]
+    num_units = len(issued) + 1
+    assert num_units == 5
+    if strategy == "FULL_SHARD":  # blocks free after forward: one unit ahead only
+        assert issued == [min(i + 2, num_units) for i in range(1, num_units)]
+    else:  # every unit's gather was issued when the root started its forward
+        assert issued == [num_units] * (num_units - 1)
 
 
 def _bucket_worker(rank: int, world_size: int, strategy: str) -> dict:
