@@ -131,9 +131,10 @@ class Communicator:
         # transport (plain "nccl") cannot reduce them, so they travel through a copy on the
         # current accelerator; "gloo" or a device-mapped backend ("cpu:gloo,cuda:nccl",
         # torch's default) reduces them where they are.
-        self.host_capable = group is None or backend_handles_cpu(dist.get_backend(group))
+        backend = None if group is None else dist.get_backend(group)
+        self.host_capable = backend is None or backend_handles_cpu(backend)
         self.staging_device: torch.device | None = None  # None: the current accelerator
-        self._gloo = group is not None and dist.get_backend(group) == "gloo"
+        self._gloo = backend == "gloo"
 
     def all_gather(
         self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit: str = ""

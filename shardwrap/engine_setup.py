@@ -23,6 +23,7 @@ from .ds_config import DeepSpeedConfig, OffloadDevice, ZeroConfig
 from .options import CPUOffload, DiskOffload, MixedPrecision
 from .planner import STAGE_STRATEGIES
 from .wrap import ShardedModule
+from .wrap_setup import on_accelerator
 
 # Optimizers whose state DiskOffload places in files.
 DISK_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
@@ -52,8 +53,7 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
         # One mechanism for both keys: the optimizer steps where the master shards live, so
         # stepping it on the CPU keeps them in host memory ([Note: host shards and staging]).
         cpu_offload = CPUOffload(offload_params=True)
-    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
-    disk_offload = disk_offload_of(zero, on_accelerator)
+    disk_offload = disk_offload_of(zero, on_accelerator(model))
     if disk_offload is not None:
         if cpu_offload is not None:
             raise ValueError(

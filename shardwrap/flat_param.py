@@ -220,10 +220,7 @@ class FlatParamHandle:
             return
         version = self.flat_shard._version
         if self.separate_full:
-            storage = self.flat_full.untyped_storage()
-            needed = self.flat_full.numel() * self.flat_full.element_size()
-            if storage.size() != needed:
-                storage.resize_(needed)
+            self._allocate_full()
             shard = self._gather_source()
             self._gather_version_guard = torch.autograd._unsafe_preserve_version_counter(
                 self.flat_full
@@ -251,6 +248,13 @@ class FlatParamHandle:
         self._gather_input = None
         self._gathered_version = self._gather_version
 
+    def _allocate_full(self) -> None:
+        """Give ``flat_full`` its storage back if a reshard released it."""
+        storage = self.flat_full.untyped_storage()
+        needed = self.flat_full.numel() * self.flat_full.element_size()
+        if storage.size() != needed:
+            storage.resize_(needed)
+
     def _gather_source(self) -> torch.Tensor:
         """The all-gather's input: the shard in compute_dtype, on the compute device.
 
@@ -273,10 +277,7 @@ class FlatParamHandle:
         ``full_by_rank``: ``(num_shards, shard_numel)``, rank r's shard in row r;
         ``version``: ``flat_shard._version`` when the shards were read.
         """
-        storage = self.flat_full.untyped_storage()
-        needed = self.flat_full.numel() * self.flat_full.element_size()
-        if storage.size() != needed:
-            storage.resize_(needed)
+        self._allocate_full()
         # As for a plain all-gather: see [Note: version counters].
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_full):
             self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)

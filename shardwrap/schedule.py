@@ -42,9 +42,10 @@ once: the process group then works through them back to back instead of waiting 
 next unit's forward to ask (on the 5m benchmark model, 2 ranks, forward 44.6 -> 40.8 ms for
 SHARD_GRAD_OP and 46.0 -> 39.6 ms for SHARD_OPTIM, medians of 30 interleaved steps; no gain
 measured on 30m). A unit that frees after forward ends the run, so FULL_SHARD keeps its
-one-ahead prefetch. Every choice depends
-only on the order of forwards, which is the same on every rank, so the collectives stay
-in the same order everywhere.
+one-ahead prefetch.
+
+Every choice depends only on the order of forwards, which is the same on every rank, so
+the collectives stay in the same order everywhere.
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ class Schedule:
         order = self.previous_forward_order
         if unit in order:
             position = order.index(unit)
+            after_next = _not_run_yet(order[position + 2 :])
             if position + 1 < len(order):
-                self._prefetch(order[position + 1], _not_run_yet(order[position + 2 :]))
+                self._prefetch(order[position + 1], after_next)
             if not unit.reshard_after_forward:  # [Note: prefetching units kept to backward]
-                for later in _not_run_yet(order[position + 2 :]):
+                for later in after_next:
                     if later.reshard_after_forward:
                         break
                     self._prefetch(later, [])
@@ -105,13 +107,7 @@ class Schedule:
             self._prefetch_next_backward(unit, execution_order)
 
     def _prefetch_next_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
-        from .hooks import TrainingState
-
-        upcoming = [
-            u
-            for u in reversed(execution_order)
-            if u is not unit and u.state is TrainingState.FORWARD
-        ]
+        upcoming = _backward_next(unit, execution_order)
         if upcoming:
             self._prefetch(upcoming[0], upcoming[1:])
 
@@ -129,14 +125,7 @@ class Schedule:
 
     def before_backward_unshard(self, unit: Unit, execution_order: list[Unit]) -> None:
         """Gather ``unit`` with the units whose backward comes next (if bucketing)."""
-        from .hooks import TrainingState
-
-        upcoming = [
-            u
-            for u in reversed(execution_order)
-            if u is not unit and u.state is TrainingState.FORWARD
-        ]
-        self._gather_bucket(unit, upcoming)
+        self._gather_bucket(unit, _backward_next(unit, execution_order))
 
     def _gather_bucket(self, unit: Unit, upcoming: list[Unit]) -> None:
         if self.all_gather_bucket_bytes <= 0 or not gather_bucket.needs_gather(unit.handle):
@@ -219,6 +208,15 @@ def _not_run_yet(units: list[Unit]) -> list[Unit]:
     from .hooks import TrainingState
 
     return list(itertools.takewhile(lambda u: u.state is TrainingState.IDLE, units))
+
+
+def _backward_next(unit: Unit, execution_order: list[Unit]) -> list[Unit]:
+    """The units whose backward is still to come after ``unit``'s, in the order it comes."""
+    from .hooks import TrainingState
+
+    return [
+        u for u in reversed(execution_order) if u is not unit and u.state is TrainingState.FORWARD
+    ]
 
 
 def _reduces_in_place(handle: FlatParamHandle) -> bool:

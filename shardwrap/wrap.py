@@ -45,6 +45,7 @@ from .units import assign_params, collect_params
 from .wrap_setup import (
     build_units,
     check_bool,
+    check_bucket_bytes,
     check_one_device,
     check_unsupported,
     full_precision_units,
@@ -238,11 +239,7 @@ class ShardedModule(nn.Module):
         ``reduce_bucket_size``), at the cost of holding up to ``num_bytes`` of flat
         gradients until their bucket is reduced. See [Note: reduce buckets].
         """
-        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
-            raise TypeError(f"num_bytes: expected an int, got {num_bytes!r}")
-        if num_bytes < 0:
-            raise ValueError(f"num_bytes: must be >= 0 (0 turns bucketing off), got {num_bytes}")
-        self._runtime.schedule.reduce_bucket_bytes = num_bytes
+        self._runtime.schedule.reduce_bucket_bytes = check_bucket_bytes(num_bytes)
 
     def set_all_gather_bucket_size(self, num_bytes: int) -> None:
         """Fuse the all-gathers of consecutive units up to ``num_bytes`` gathered (0: off).
@@ -251,11 +248,7 @@ class ShardedModule(nn.Module):
         larger collectives move the same bytes, at the cost of holding up to
         ``num_bytes`` of gathered parameters ahead of use. See [Note: all-gather buckets].
         """
-        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
-            raise TypeError(f"num_bytes: expected an int, got {num_bytes!r}")
-        if num_bytes < 0:
-            raise ValueError(f"num_bytes: must be >= 0 (0 turns bucketing off), got {num_bytes}")
-        self._runtime.schedule.all_gather_bucket_bytes = num_bytes
+        self._runtime.schedule.all_gather_bucket_bytes = check_bucket_bytes(num_bytes)
 
     # ------------------------------------------------------------------ debug
     def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:

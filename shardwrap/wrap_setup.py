@@ -85,10 +85,8 @@ def check_unsupported(cpu_offload: Any, module: nn.Module) -> None:
             raise TypeError(
                 f"cpu_offload: expected CPUOffload or DiskOffload, got {type(cpu_offload).__name__}"
             )
-        on_accelerator = any(p.device.type not in ("cpu", "meta") for p in module.parameters())
-        if isinstance(cpu_offload, DiskOffload):
-            if on_accelerator:
-                raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
+        if isinstance(cpu_offload, DiskOffload) and on_accelerator(module):
+            raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
 
 
 def resolve_ignored(
@@ -118,3 +116,17 @@ def check_one_device(records: list) -> None:
             f"module: parameters on mixed devices ({found}); move the module to one device "
             "or pass device_id"
         )
+
+
+def check_bucket_bytes(num_bytes: object) -> int:
+    """A bucket budget in bytes (0 turns bucketing off)."""
+    if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
+        raise TypeError(f"num_bytes: expected an int, got {num_bytes!r}")
+    if num_bytes < 0:
+        raise ValueError(f"num_bytes: must be >= 0 (0 turns bucketing off), got {num_bytes}")
+    return num_bytes
+
+
+def on_accelerator(module: nn.Module) -> bool:
+    """Whether any of ``module``'s parameters lives on an accelerator (not CPU, not meta)."""
+    return any(p.device.type not in ("cpu", "meta") for p in module.parameters())
