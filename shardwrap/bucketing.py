@@ -76,7 +76,7 @@ class ReduceBucket:
             self._input.numel() // size, dtype=self._input.dtype, device=self._input.device
         )
         self._work = first.shard_comm.reduce_scatter(
-            self._output, self._input, purpose="grads", unit=self.label, input_is_scratch=True
+            self._output, self._input, purpose="grads", unit=self.label
         )
 
     def finish(self) -> None:

@@ -1,4 +1,5 @@
-"""The only module that calls ``torch.distributed`` collectives.
+"""The only module that calls ``torch.distributed`` collectives (with :mod:`.pairwise`, its
+point-to-point half on gloo).
 
 Every collective shardwrap issues goes through a :class:`Communicator`, which records
 its kind and payload bytes in a :class:`CommLedger`. Tests count traffic there, and a
@@ -15,6 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from . import pairwise
 
 ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")
 
@@ -89,31 +92,6 @@ class _DoneWork:
         return True
 
 
-class _KeepSlice:
-    """Waits for an in-place all-reduce, then copies this rank's slice out of it.
-
-    [Note: gloo reduce-scatter]
-    torch's gloo backend implements a reduce-scatter as a clone of the whole input, an
-    all-reduce of that clone and a copy of this rank's slice, so on gloo the same bytes
-    cross the wire either way. When the caller's input is scratch (a flat gradient built
-    for this collective), all-reducing it in place skips that full-size clone.
-    """
-
-    def __init__(self, work, out_shard: torch.Tensor, in_full: torch.Tensor, rank: int, size: int):
-        self._work = work
-        self._out_shard = out_shard
-        self._in_full = in_full  # 1D, size * out_shard.numel() elements
-        self._rank = rank
-        self._size = size
-
-    def wait(self) -> bool:
-        done = self._work.wait()
-        if self._in_full is not None:
-            self._out_shard.copy_(self._in_full.view(self._size, -1)[self._rank])
-            self._in_full = None
-        return done
-
-
 class Communicator:
     """Collectives over one process group, recorded in ``ledger``.
 
@@ -144,6 +122,9 @@ class Communicator:
             out_full.copy_(in_shard)
             return _DoneWork()
         start = self._record("all_gather", purpose, out_full, unit)
+        if self._pairwise(out_full):
+            work = pairwise.all_gather(self.group, self.rank, self.size, out_full, in_shard)
+            return self._timed(work, start)
         work = dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
         return self._timed(work, start)
 
@@ -154,20 +135,18 @@ class Communicator:
         *,
         purpose: str,
         unit: str = "",
-        input_is_scratch: bool = False,
     ):
         """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``.
 
-        ``input_is_scratch``: the caller never reads ``in_full`` again, so the collective
-        may overwrite it (see [Note: gloo reduce-scatter]).
+        ``in_full`` must stay unchanged until the wait.
         """
         if self.size == 1:
             out_shard.copy_(in_full)
             return _DoneWork()
         start = self._record("reduce_scatter", purpose, in_full, unit)
-        if input_is_scratch and self._gloo and in_full.device.type == "cpu":
-            work = dist.all_reduce(in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            return self._timed(_KeepSlice(work, out_shard, in_full, self.rank, self.size), start)
+        if self._pairwise(in_full):
+            work = pairwise.reduce_scatter(self.group, self.rank, self.size, out_shard, in_full)
+            return self._timed(work, start)
         work = dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
@@ -201,6 +180,13 @@ class Communicator:
         dist.all_gather_object(gathered, obj, group=self.group)
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
         return gathered
+
+    def _pairwise(self, tensor: torch.Tensor) -> bool:
+        """Whether to run an all-gather or reduce-scatter as pairwise exchanges.
+
+        See [Note: pairwise collectives on gloo].
+        """
+        return self._gloo and tensor.device.type == "cpu"
 
     def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, or a copy on the accelerator when this group cannot reduce host memory."""

@@ -332,7 +332,7 @@ class FlatParamHandle:
             self.layout.shard_numel, dtype=self.reduce_dtype, device=flat_grad.device
         )
         work = self.shard_comm.reduce_scatter(
-            reduced, flat_grad, purpose="grads", unit=self.comm_label, input_is_scratch=True
+            reduced, flat_grad, purpose="grads", unit=self.comm_label
         )
         self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
 
