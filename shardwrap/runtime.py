@@ -102,10 +102,15 @@ class StepRuntime:
         for unit in reversed(self.execution_order):
             if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
                 unit.post_backward()
-        self.schedule.end_step(self.execution_order)
+        vote = None
         if self.sync_grads:
             self._check_late_grads(self.units)
-            self.vote_and_assign(self.units)
+            # Every flag is known once the last reduction is issued: the vote goes out now
+            # and its round trip overlaps the wait for the reductions still in flight.
+            vote = self.start_vote(self.units)
+        self.schedule.end_step(self.execution_order)
+        if vote is not None:
+            self.finish_vote(*vote)
         for unit in self.units:
             unit.state = TrainingState.IDLE
         self.execution_order.clear()
@@ -137,13 +142,25 @@ class StepRuntime:
 
     def vote_and_assign(self, units: list[Unit]) -> None:
         """All-reduce per-parameter presence flags and hand reduced grads to shard views."""
+        vote = self.start_vote(units)
+        if vote is not None:
+            self.finish_vote(*vote)
+
+    def start_vote(self, units: list[Unit]) -> tuple | None:
+        """Issue the presence vote of ``units`` (see [Note: gradient presence])."""
         handles = [u.handle for u in units if u.handle is not None]
         if not handles:
-            return
+            return None
         flags = torch.tensor(
             [int(f) for h in handles for f in h.local_grad_present], dtype=torch.int32
         )
-        self.world_comm.all_reduce(flags, purpose="grad_presence", op=dist.ReduceOp.MAX).wait()
+        work = self.world_comm.all_reduce(flags, purpose="grad_presence", op=dist.ReduceOp.MAX)
+        return work, flags, handles
+
+    @staticmethod
+    def finish_vote(work, flags: torch.Tensor, handles: list) -> None:
+        """Wait for the vote and hand each handle's reduced gradient to its shard views."""
+        work.wait()
         start = 0
         for h in handles:
             count = len(h.local_grad_present)
