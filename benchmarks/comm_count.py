@@ -5,6 +5,8 @@ A benchmark-only shim: it wraps the public collective functions of ``torch.distr
 the bytes of this rank's input to a per-kind total. Nested calls (a deprecated alias
 calling its successor) are counted once. Collectives issued from C++ (DDP's built-in
 reducer) are invisible here, so the benchmark gives DDP the stock Python all-reduce hook.
+Point-to-point sends (``ProcessGroup.send``, which ``isend`` and shardwrap's pairwise gloo
+collectives call) count as kind ``"send"``: their bytes are already bytes on the wire.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class CollectiveCounter:
             setattr(c10d, name, wrapped)
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapped)
+        send = dist.ProcessGroup.send
+        dist.ProcessGroup.send = self._wrap(
+            send, "send", lambda a, k: _nbytes(_arg(a, k, 1, "tensors"))
+        )
 
     def _wrap(self, original, kind: str, input_bytes):
         @functools.wraps(original)

@@ -28,6 +28,7 @@ WIRE_FACTOR = {  # ring algorithms: bytes on the wire per input byte, N ranks
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: n - 1,
+    "send": lambda n: 1.0,  # point-to-point: the bytes sent are the bytes on the wire
 }
 
 
@@ -67,7 +68,9 @@ def summarize_size(raw: dict, *, warmup: int, world: int, elem: int, num_params:
             "comm_bytes": comm,
             "comm_counts": counts,
             "comm_theory": theory,
-            "comm_ratio": sum(comm.values()) / sum(theory.values()),
+            # On the wire: collectives and point-to-point sends compare alike.
+            "comm_ratio": wire_bytes(comm, world) / wire_bytes(theory, world),
+            "wire_theory": wire_bytes(theory, world),
             "wire_bytes": wire_bytes(comm, world),
             "shardwrap_profile": last["profile"][0] if last["profile"][0] else None,
             "model_state": states,
@@ -113,7 +116,7 @@ def _add_loss_diffs(rows: dict[str, dict]) -> None:
 def table(size: str, num_params: int, rows: dict[str, dict]) -> str:
     head = (
         f"{'impl':<20}{'median ms':>10}{'min ms':>8}{'xDDP':>7}{'xpeerS':>7}{'xpeerZ3':>8}"
-        f"{'comm MiB':>9}{'theory':>8}{'ratio':>6}{'state MiB':>10}{'theory':>8}"
+        f"{'wire MiB':>9}{'theory':>8}{'ratio':>6}{'state MiB':>10}{'theory':>8}"
         f"{'/16P/N':>7}{'RSS MiB':>8}{'+RSS':>6}{'dLoss':>9}"
     )
     lines = [f"== {size}: {num_params / 1e6:.2f}M parameters ==", head]
@@ -127,8 +130,8 @@ def table(size: str, num_params: int, rows: dict[str, dict]) -> str:
             f"{ratios.get('ddp', float('nan')):>7.2f}"
             f"{ratios.get('fastest_peer_same_stage', float('nan')):>7.2f}"
             f"{ratios.get('fastest_peer_zero3', float('nan')):>8.2f}"
-            f"{sum(r['comm_bytes'].values()) / MIB:>9.2f}"
-            f"{sum(r['comm_theory'].values()) / MIB:>8.2f}{r['comm_ratio']:>6.2f}"
+            f"{r['wire_bytes'] / MIB:>9.2f}"
+            f"{r['wire_theory'] / MIB:>8.2f}{r['comm_ratio']:>6.2f}"
             f"{r['state_bytes_max_rank'] / MIB:>10.2f}{r['state_theory'] / MIB:>8.2f}"
             f"{r['state_vs_16p_over_n']:>7.2f}{max(r['peak_rss']) / MIB:>8.0f}"
             f"{r['peak_rss_over_baseline'] / MIB:>6.0f}"
