@@ -13,6 +13,18 @@ budget, and reduces them at once:
 
 The members then finish as if reduced alone (replica all-reduce, scaling, accumulation).
 The price is the bucket's memory: its members' flat gradients live until it is reduced.
+
+[Note: in-place buckets]
+Fusing by concatenation costs two passes over the bucket (the concatenation and a copy of
+each member's part out of it), which measured slower than no bucket at all. A bucket of
+one-shard members (data parallel, reduced by an in-place all-reduce) instead plans its
+members when it opens: the unit whose backward just ended and the units whose backward
+comes next (execution order, the same on every rank), up to the byte budget. It allocates
+one buffer for all of them, and each member flattens its gradient straight into its slot.
+The all-reduce runs in place on the filled slots, and each member keeps a view of its slot
+as its reduced gradient, so no byte is copied beyond the flattening that happens anyway.
+A member that arrives out of plan (a branch not taken) closes the bucket early: the
+slots filled so far are reduced, and the newcomer opens the next bucket.
 """
 
 from __future__ import annotations
@@ -27,31 +39,62 @@ from .flat_param import FlatParamHandle
 class ReduceBucket:
     """Flat gradients of several handles, reduced by a single collective."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: list[FlatParamHandle] | None = None) -> None:
         self.handles: list[FlatParamHandle] = []
         self.grads: list[torch.Tensor] = []  # each 1D, padded, reduce_dtype
         self.num_bytes = 0
         self._work: Any = None
         self._output: torch.Tensor | None = None
         self._input: torch.Tensor | None = None  # alive until the collective is done
+        # In place ([Note: in-place buckets]): the members expected, in order, and the one
+        # buffer their slots share.
+        self._plan = plan or []
+        self._slots: torch.Tensor | None = None
+        if self._plan:
+            first = self._plan[0]
+            self._slots = torch.empty(
+                sum(h.flat_grad_numel for h in self._plan),
+                dtype=first.reduce_dtype,
+                device=first.flat_full.device,
+            )
+        self._filled = 0
+
+    @classmethod
+    def opened_by(
+        cls, handle: FlatParamHandle, upcoming: list[FlatParamHandle], budget_bytes: int
+    ) -> ReduceBucket:
+        """A bucket for ``handle``: planned in place when it reduces in place, else plain."""
+        if not reduces_in_place(handle):
+            return cls()
+        plan = [handle]
+        planned_bytes = _flat_grad_bytes(handle)
+        for later in upcoming:
+            if planned_bytes >= budget_bytes or not _compatible(plan[0], later):
+                break
+            if not reduces_in_place(later):
+                break
+            plan.append(later)
+            planned_bytes += _flat_grad_bytes(later)
+        return cls(plan)
 
     def accepts(self, handle: FlatParamHandle) -> bool:
-        if not self.handles:
-            return True
-        first = self.handles[0]
-        return (
-            handle.shard_comm.group is first.shard_comm.group
-            and handle.num_shards == first.num_shards
-            and (handle.replicate_comm is None) == (first.replicate_comm is None)
-            and (
-                handle.replicate_comm is None
-                or handle.replicate_comm.group is first.replicate_comm.group
-            )
-            and handle.reduce_dtype == first.reduce_dtype
-        )
+        if self._plan:
+            index = len(self.handles)
+            return index < len(self._plan) and self._plan[index] is handle
+        return not self.handles or _compatible(self.handles[0], handle)
+
+    def is_full(self, budget_bytes: int) -> bool:
+        if self._plan:
+            return len(self.handles) == len(self._plan)
+        return self.num_bytes >= budget_bytes
 
     def add(self, handle: FlatParamHandle) -> None:
-        grad = handle.take_local_grads()
+        if self._slots is not None:
+            end = self._filled + handle.flat_grad_numel
+            grad = handle.take_local_grads(out=self._slots[self._filled : end])
+            self._filled = end
+        else:
+            grad = handle.take_local_grads()
         self.handles.append(handle)
         self.grads.append(grad)
         self.num_bytes += grad.numel() * grad.element_size()
@@ -64,7 +107,13 @@ class ReduceBucket:
     def issue(self) -> None:
         """Start the one collective for all members."""
         first = self.handles[0]
-        if first.num_shards == 1 and first.replicate_comm is not None:
+        if self._slots is not None:
+            self._input = self._output = self._slots[: self._filled]
+            self._work = first.replicate_comm.all_reduce(
+                self._output, purpose="grads", unit=self.label
+            )
+            return
+        if reduces_in_place(first):
             self._input = self._output = torch.cat(self.grads)
             self._work = first.replicate_comm.all_reduce(
                 self._output, purpose="grads", unit=self.label
@@ -82,13 +131,38 @@ class ReduceBucket:
     def finish(self) -> None:
         """Wait, then hand each member its part."""
         self._work.wait()
-        first = self.handles[0]
-        replicate_done = first.num_shards == 1 and first.replicate_comm is not None
+        replicate_done = reduces_in_place(self.handles[0])
         offset = 0
         for handle, grad in zip(self.handles, self.grads, strict=True):
             numel = grad.numel() // handle.num_shards
             part = self._output[offset : offset + numel]
-            handle.accept_reduced(part.clone(), replicate_done=replicate_done)
+            # A slot is the member's own memory; a part of a concatenation would keep the
+            # whole bucket alive.
+            if self._slots is None:
+                part = part.clone()
+            handle.accept_reduced(part, replicate_done=replicate_done)
             offset += numel
-        self._input = self._output = self._work = None
+        self._input = self._output = self._work = self._slots = None
         self.grads.clear()
+
+
+def reduces_in_place(handle: FlatParamHandle) -> bool:
+    """Whether ``handle``'s reduction is an all-reduce in place (no memory of its own)."""
+    return handle.num_shards == 1 and handle.replicate_comm is not None
+
+
+def _compatible(first: FlatParamHandle, handle: FlatParamHandle) -> bool:
+    return (
+        handle.shard_comm.group is first.shard_comm.group
+        and handle.num_shards == first.num_shards
+        and (handle.replicate_comm is None) == (first.replicate_comm is None)
+        and (
+            handle.replicate_comm is None
+            or handle.replicate_comm.group is first.replicate_comm.group
+        )
+        and handle.reduce_dtype == first.reduce_dtype
+    )
+
+
+def _flat_grad_bytes(handle: FlatParamHandle) -> int:
+    return handle.flat_grad_numel * handle.reduce_dtype.itemsize

@@ -343,9 +343,21 @@ class FlatParamHandle:
             self.accept_reduced(reduction.output, replicate_done=reduction.replicate_done)
         self._reductions.clear()
 
-    def take_local_grads(self) -> torch.Tensor:
-        """The local gradients as one flat, padded ``reduce_dtype`` tensor (full views cleared)."""
-        return self._flatten_local_grads().to(self.reduce_dtype)
+    def take_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The local gradients as one flat, padded ``reduce_dtype`` tensor (full views cleared).
+
+        ``out`` (1D, :attr:`flat_grad_numel` elements of ``reduce_dtype``): write them there.
+        """
+        if out is None:
+            return self._flatten_local_grads().to(self.reduce_dtype)
+        if out.dtype == self.flat_full.dtype:
+            return self._flatten_local_grads(out)
+        return out.copy_(self._flatten_local_grads())
+
+    @property
+    def flat_grad_numel(self) -> int:
+        """Elements of the flat gradient :meth:`take_local_grads` returns (padded)."""
+        return self.flat_full.numel()
 
     def accept_reduced(self, reduced: torch.Tensor, *, replicate_done: bool) -> None:
         """Finish a reduction of this rank's shard (1D, shard_numel): replicas, scale, add."""
@@ -363,9 +375,11 @@ class FlatParamHandle:
     def reduce_in_flight(self) -> bool:
         return bool(self._reductions)
 
-    def _flatten_local_grads(self) -> torch.Tensor:
+    def _flatten_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         # Every element is written once: a gradient, or zeros (missing gradient, padding).
-        flat_grad = torch.empty_like(self.flat_full, memory_format=torch.contiguous_format)
+        flat_grad = out
+        if flat_grad is None:
+            flat_grad = torch.empty_like(self.flat_full, memory_format=torch.contiguous_format)
         flat_grad[self.layout.unpadded_numel :].zero_()
         for index, (info, param) in enumerate(
             zip(self.layout.params, self.full_params, strict=True)

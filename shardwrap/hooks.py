@@ -111,7 +111,7 @@ class Unit:
         handle = self.handle
         if handle is not None:
             if runtime.sync_grads:  # ZeRO-1 too: see [Note: ZeRO-1 reduces in backward]
-                runtime.schedule.start_reduce(handle)
+                runtime.schedule.reduce_after_backward(self, runtime.execution_order)
             handle.reshard(free=self.strategy.free_after_backward)
         self.state = TrainingState.BACKWARD_DONE
         runtime.schedule.after_post_backward(self, runtime.execution_order)

@@ -51,10 +51,11 @@ the collectives stay in the same order everywhere.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from . import gather_bucket
-from .bucketing import ReduceBucket
+from .bucketing import ReduceBucket, reduces_in_place
 from .flat_param import FlatParamHandle
 from .options import BackwardPrefetch
 
@@ -136,18 +137,33 @@ class Schedule:
             gather_bucket.FusedGather(members)  # every member now has its gather in flight
 
     # ----------------------------------------------------------- reductions
-    def start_reduce(self, handle: FlatParamHandle) -> None:
-        """Issue ``handle``'s reduction (alone, or as part of a bucket)."""
+    def reduce_after_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
+        """Issue the reduction of ``unit``, whose backward just ended."""
+        upcoming: list[FlatParamHandle] = []
+        if self.reduce_bucket_bytes > 0:
+            upcoming = [u.handle for u in _reduce_next(unit, execution_order) if u.handle]
+        self.start_reduce(unit.handle, upcoming)  # type: ignore[arg-type]
+
+    def start_reduce(
+        self, handle: FlatParamHandle, upcoming: Sequence[FlatParamHandle] = ()
+    ) -> None:
+        """Issue ``handle``'s reduction (alone, or as part of a bucket).
+
+        ``upcoming``: the handles whose reductions come next, in order (plans in-place
+        buckets, see [Note: in-place buckets]).
+        """
         if self.reduce_bucket_bytes <= 0:
-            if not _reduces_in_place(handle):
+            if not reduces_in_place(handle):
                 self._wait_for_sharded_room()
             handle.start_reduce_grads()
             self._reducing.append(handle)
             return
-        if not self._bucket.accepts(handle):
+        if self._bucket.handles and not self._bucket.accepts(handle):
             self.flush_bucket()
+        if not self._bucket.handles:
+            self._bucket = ReduceBucket.opened_by(handle, list(upcoming), self.reduce_bucket_bytes)
         self._bucket.add(handle)
-        if self._bucket.num_bytes >= self.reduce_bucket_bytes:
+        if self._bucket.is_full(self.reduce_bucket_bytes):
             self.flush_bucket()
 
     def flush_bucket(self) -> None:
@@ -161,7 +177,7 @@ class Schedule:
 
     def _wait_for_sharded_room(self) -> None:
         # Oldest first, so every rank waits (and issues replica all-reduces) alike.
-        sharded = [h for h in self._reducing if not _reduces_in_place(h)]
+        sharded = [h for h in self._reducing if not reduces_in_place(h)]
         while len(sharded) >= self.max_sharded_reduces_in_flight:
             oldest = sharded.pop(0)
             oldest.finish_reduce_grads()
@@ -177,8 +193,8 @@ class Schedule:
 
     def reduce_all(self, handles: list[FlatParamHandle]) -> None:
         """Reduce ``handles`` now (ZeRO-1 at the optimizer step), bucketed as configured."""
-        for handle in handles:
-            self.start_reduce(handle)
+        for index, handle in enumerate(handles):
+            self.start_reduce(handle, handles[index + 1 :])
         self.flush_bucket()
         self.finish_reduces()
 
@@ -219,6 +235,13 @@ def _backward_next(unit: Unit, execution_order: list[Unit]) -> list[Unit]:
     ]
 
 
-def _reduces_in_place(handle: FlatParamHandle) -> bool:
-    """Whether ``handle``'s reduction is an all-reduce in place (no memory of its own)."""
-    return handle.num_shards == 1 and handle.replicate_comm is not None
+def _reduce_next(unit: Unit, execution_order: list[Unit]) -> list[Unit]:
+    """The units whose gradient reduction is still to come after ``unit``'s, in order.
+
+    Those whose backward has not started, and those around ``unit`` whose backward has
+    started but not ended (an enclosing unit, the root), which reduce after it.
+    """
+    from .hooks import TrainingState
+
+    pending = (TrainingState.FORWARD, TrainingState.BACKWARD)
+    return [u for u in reversed(execution_order) if u is not unit and u.state in pending]

@@ -1,0 +1,83 @@
+"""Data-parallel buckets share one buffer and follow their plan.
+
+See [Note: in-place buckets] in ``shardwrap/bucketing.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import shardwrap
+from tests import models
+from tests.dist.harness import run_ranks
+from tests.dist.parity import build_model, wrap_policy
+
+EVERYTHING = 1 << 30
+
+
+def _storages(params) -> set[int]:
+    return {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+
+
+def _one_bucket_worker(rank: int, world_size: int) -> dict:
+    model = shardwrap.ShardedModule(
+        build_model("mlp"), sharding_strategy="NO_SHARD", auto_wrap_policy=wrap_policy("mlp")
+    )
+    model.set_reduce_bucket_size(EVERYTHING)
+    handles = [u.handle for u in model.units if u.handle is not None]
+    models.mlp_loss(model, models.mlp_batch(rank)).backward()
+    return {
+        "num_handles": len(handles),
+        "storages": len(_storages(p for h in handles for p in h.shard_params)),
+        "reductions": model.comm_ledger.count("all_reduce", "grads"),
+    }
+
+
+def test_one_bucket_hands_out_slots_of_one_buffer() -> None:
+    for result in run_ranks(_one_bucket_worker, 2):
+        assert result["num_handles"] == 4
+        assert result["reductions"] == 1
+        assert result["storages"] == 1  # every gradient a view of the bucket's buffer
+
+
+def _out_of_plan_worker(rank: int, world_size: int) -> dict:
+    model = shardwrap.ShardedModule(
+        build_model("mlp"), sharding_strategy="NO_SHARD", auto_wrap_policy=wrap_policy("mlp")
+    )
+    model.set_reduce_bucket_size(EVERYTHING)
+    h0, h1, h2 = [u.handle for u in model.units if u.handle is not None][:3]
+    with model.no_sync():  # local gradients stay on the full views, unreduced
+        models.mlp_loss(model, models.mlp_batch(rank)).backward()
+    expected = {}
+    for h in (h0, h1, h2):
+        for info, param in zip(h.layout.params, h.full_params, strict=True):
+            total = param.grad.clone()
+            dist.all_reduce(total)
+            expected[info.fqn] = total / world_size
+    model.comm_ledger.reset()
+    schedule = model._runtime.schedule
+    schedule.start_reduce(h1, [h2, h0])  # plans h1, h2, h0
+    schedule.start_reduce(h0, [h2])  # out of plan: h1 goes alone, h0 plans h0, h2
+    schedule.start_reduce(h2, [])  # completes the second plan
+    schedule.finish_reduces()
+    model._runtime.vote_and_assign(model.units)
+    matches = all(
+        torch.equal(p.grad.reshape(-1), expected[info.fqn].reshape(-1))
+        for h in (h0, h1, h2)
+        for info, p in zip(h.layout.params, h.shard_params, strict=True)
+    )
+    numels = [r.num_bytes // 4 for r in model.comm_ledger.records if r.purpose == "grads"]
+    return {
+        "matches": matches,
+        "numels": numels,
+        "expected_numels": [h1.flat_grad_numel, h0.flat_grad_numel + h2.flat_grad_numel],
+        "h0_h2_share": len(_storages([*h0.shard_params, *h2.shard_params])) == 1,
+    }
+
+
+def test_an_arrival_out_of_plan_closes_the_bucket() -> None:
+    for result in run_ranks(_out_of_plan_worker, 2):
+        assert result["matches"]
+        assert result["numels"] == result["expected_numels"]
+        assert result["h0_h2_share"]
