@@ -107,14 +107,8 @@ class ReduceBucket:
     def issue(self) -> None:
         """Start the one collective for all members."""
         first = self.handles[0]
-        if self._slots is not None:
+        if self._slots is not None:  # in place: every such bucket is planned
             self._input = self._output = self._slots[: self._filled]
-            self._work = first.replicate_comm.all_reduce(
-                self._output, purpose="grads", unit=self.label
-            )
-            return
-        if reduces_in_place(first):
-            self._input = self._output = torch.cat(self.grads)
             self._work = first.replicate_comm.all_reduce(
                 self._output, purpose="grads", unit=self.label
             )
