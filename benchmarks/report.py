@@ -15,7 +15,8 @@ def comm_theory(stage: int, num_params: int, world: int, elem: int) -> dict[str,
 
     Replicated data parallel all-reduces every gradient; ZeRO-1/2 reduce-scatter them and
     all-gather the updated shard once; ZeRO-3 all-gathers it twice (forward and backward).
-    Padding and the root unit kept gathered through backward are not in the theory.
+    Padding, the root unit kept gathered through backward, and (shardwrap) the last unit of
+    forward kept gathered into backward are not in the theory.
     """
     full = elem * num_params
     if stage == 0:

@@ -1,12 +1,13 @@
-"""Fusing the all-gathers of consecutive units into one collective.
+"""Fusing the all-gathers of units that come next into one collective.
 
 [Note: all-gather buckets]
 The all-gather of a small unit costs mostly its fixed latency. With a byte budget set
 (``ShardedModule.set_all_gather_bucket_size``), a unit that has to be gathered right
 now takes along the units that come next (in the previous step's forward order during
-forward, in the order backward will reach them during backward), as long as they need a
-gather too, share its shard group and compute dtype, and their gathered buffers fit the
-budget together. One all-gather then moves all of them:
+forward, in the order backward will reach them during backward), as long as they share
+its shard group and compute dtype and their gathered buffers fit the budget together.
+Units on the way whose copy is current or already on its way (kept gathered, prefetched)
+need no gather and are passed over. One all-gather then moves all of them:
 
 * input: each member's shard (cast to the compute dtype), end to end;
 * output: rank by rank, those inputs, i.e. a ``(num_shards, sum of shard sizes)`` matrix
@@ -58,12 +59,19 @@ def _full_bytes(handle: FlatParamHandle) -> int:
 def collect(
     first: FlatParamHandle, upcoming: Iterable[FlatParamHandle], budget_bytes: int
 ) -> list[FlatParamHandle]:
-    """``first`` and the consecutive ``upcoming`` handles that fit one bucket."""
+    """``first`` and the ``upcoming`` handles that fit one bucket, in order.
+
+    Handles whose gathered copy is current or on its way (a unit kept gathered, a
+    prefetch) need nothing and are passed over; the bucket ends at the first one that
+    does not fit.
+    """
     members = [first]
     total = _full_bytes(first)
     for handle in upcoming:
-        if handle in members or not needs_gather(handle) or not _compatible(first, handle):
+        if handle in members or not _compatible(first, handle):
             break
+        if not needs_gather(handle):
+            continue
         if total + _full_bytes(handle) > budget_bytes:
             break
         members.append(handle)

@@ -80,7 +80,8 @@ class Unit:
         self.forward_depth = max(self.forward_depth - 1, 0)
         nested = self.forward_depth > 0
         if self.handle is not None and self.state is not TrainingState.BACKWARD and not nested:
-            if not training or self.reshard_after_forward:
+            keep = self._runtime().schedule.keeps_gathered_after_forward(self)
+            if not training or (self.reshard_after_forward and not keep):
                 self.handle.reshard(free=self.strategy.free_after_backward)
             elif self.strategy.reduces_at_step:
                 self.handle.reshard(free=False)

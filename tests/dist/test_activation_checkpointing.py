@@ -102,9 +102,10 @@ def checkpointing_worker(rank: int, world_size: int) -> dict:
 
 
 # Gathers in one training step (forward + backward) of TinyGPT with 3 units (root + 2
-# blocks, only the blocks checkpointed), as documented in docs/training.md.
+# blocks, only the blocks checkpointed), as documented in docs/training.md. FULL_SHARD:
+# the last block stays gathered from forward into backward (a step after the first).
 EXPECTED_GATHERS = {
-    "FULL_SHARD": {"plain": 6, "reentrant_wrapper": 8},
+    "FULL_SHARD": {"plain": 5, "reentrant_wrapper": 7},
     "SHARD_GRAD_OP": {"plain": 3, "reentrant_wrapper": 5},
     "SHARD_OPTIM": {"plain": 3, "reentrant_wrapper": 3},
 }

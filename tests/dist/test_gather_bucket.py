@@ -83,13 +83,15 @@ def _traffic_worker(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "gathers_per_unit", "fused"),
-    [("FULL_SHARD", 2, 2), ("SHARD_GRAD_OP", 1, 1), ("SHARD_OPTIM", 1, 1)],
-)
-def test_fewer_all_gathers_same_bytes(strategy: str, gathers_per_unit: int, fused: int) -> None:
+    ("strategy", "gathers", "fused"),
+    # FULL_SHARD: twice per unit, but the last unit of forward stays gathered into backward
+    [("FULL_SHARD", 2 * NUM_UNITS - 1, 2), ("SHARD_GRAD_OP", NUM_UNITS, 1),
+     ("SHARD_OPTIM", NUM_UNITS, 1)],
+)  # fmt: skip
+def test_fewer_all_gathers_same_bytes(strategy: str, gathers: int, fused: int) -> None:
     runs = [{"strategy": strategy}, {"strategy": strategy, "all_gather_bucket_bytes": EVERYTHING}]
     off, on = run_ranks(_traffic_worker, 2, runs)[0]
-    assert off["count"] == gathers_per_unit * NUM_UNITS
+    assert off["count"] == gathers
     assert on["count"] == fused  # one bucket for forward (and one for backward)
     assert on["bytes"] == off["bytes"] > 0
     assert on["held_after"] == off["held_after"]  # nothing gathered is left behind
@@ -101,9 +103,11 @@ def test_prefetches_issue_buckets() -> None:
     off, on = run_ranks(
         _traffic_worker, 2, [common, {**common, "all_gather_bucket_bytes": EVERYTHING}]
     )[0]
-    assert off["labels"] == [ROOT_LABEL, "blocks.0", "blocks.1", "blocks.1", "blocks.0"]
-    # forward: the root takes both blocks along; backward: the root's prefetch takes both
-    assert on["labels"] == [f"{ROOT_LABEL}..blocks.1 (3 units)", "blocks.1..blocks.0 (2 units)"]
+    # backward gathers only blocks.0: the root and blocks.1, the last unit of forward, stay
+    # gathered ([Note: the last unit of forward stays gathered])
+    assert off["labels"] == [ROOT_LABEL, "blocks.0", "blocks.1", "blocks.0"]
+    # forward: the root takes both blocks along
+    assert on["labels"] == [f"{ROOT_LABEL}..blocks.1 (3 units)", "blocks.0"]
     assert on["bytes"] == off["bytes"]
     assert on["held_after"] == off["held_after"]
 
