@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 
 from . import collectives
 from .collectives import CommLedger, Communicator
+from .options import check_int
 from .runtime import reduce_deferred_grads_for
 
 
@@ -47,10 +48,7 @@ class ShardedGradScaler:
             raise ValueError(f"growth_factor: must be > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor: must be in (0, 1), got {backoff_factor}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
-            raise TypeError(f"growth_interval: expected an int, got {growth_interval!r}")
-        if growth_interval < 1:
-            raise ValueError(f"growth_interval: must be >= 1, got {growth_interval}")
+        check_int("growth_interval", growth_interval, minimum=1)
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled: expected a bool, got {enabled!r}")
         self.device = torch.device(device)

@@ -21,6 +21,8 @@ import math
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .options import check_int
+
 WARMUP_TYPES = ("log", "linear")
 
 
@@ -47,10 +49,7 @@ def _per_group(optimizer: torch.optim.Optimizer, value: float | list, name: str)
 def _check_warmup(warmup_num_steps: int, warmup_type: str) -> int:
     if warmup_type not in WARMUP_TYPES:
         raise ValueError(f"warmup_type: expected one of {list(WARMUP_TYPES)}, got {warmup_type!r}")
-    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int):
-        raise TypeError(f"warmup_num_steps: expected an int, got {warmup_num_steps!r}")
-    if warmup_num_steps < 0:
-        raise ValueError(f"warmup_num_steps: must be >= 0, got {warmup_num_steps}")
+    check_int("warmup_num_steps", warmup_num_steps, minimum=0)
     return max(2, warmup_num_steps)  # ln(1) = 0 would divide by zero
 
 
@@ -156,8 +155,4 @@ class WarmupCosineLR(LRScheduler):
 
 
 def _check_total(total_num_steps: int) -> int:
-    if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int):
-        raise TypeError(f"total_num_steps: expected an int, got {total_num_steps!r}")
-    if total_num_steps < 1:
-        raise ValueError(f"total_num_steps: must be >= 1, got {total_num_steps}")
-    return total_num_steps
+    return check_int("total_num_steps", total_num_steps, minimum=1)

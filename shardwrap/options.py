@@ -183,6 +183,19 @@ class StateDictType(enum.Enum):
         raise ValueError(f"state_dict_type: unsupported value {value!r}; allowed: {allowed}")
 
 
+def check_int(argument: str, value: object, *, minimum: int, meaning: str = "") -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``.
+
+    ``meaning`` (e.g. ``"0 turns bucketing off"``) is shown with the bound.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{argument}: expected an int, got {value!r}")
+    if value < minimum:
+        bound = f">= {minimum} ({meaning})" if meaning else f">= {minimum}"
+        raise ValueError(f"{argument}: must be {bound}, got {value}")
+    return value
+
+
 def _check_bools(record: object, *names: str) -> None:
     for name in names:
         value = getattr(record, name)
@@ -232,8 +245,4 @@ class DiskOffload:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise TypeError(f"DiskOffload: path must be a non-empty str, got {self.path!r}")
-        size = self.sub_group_size
-        if not isinstance(size, int) or isinstance(size, bool):
-            raise TypeError(f"DiskOffload: sub_group_size must be an int, got {size!r}")
-        if size < 1:
-            raise ValueError(f"DiskOffload: sub_group_size must be at least 1, got {size}")
+        check_int("DiskOffload: sub_group_size", self.sub_group_size, minimum=1)

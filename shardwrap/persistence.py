@@ -31,18 +31,14 @@ from dataclasses import dataclass
 
 from .collectives import CommLedger, Communicator
 from .groups import GroupLayout
-from .options import ShardingStrategy
+from .options import ShardingStrategy, check_int
 
 ARGUMENT = "param_persistence_threshold"
 
 
 def check_threshold(value: object) -> int:
     """``value`` as a valid threshold (elements; 0 turns persistence off)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{ARGUMENT}: expected an int (elements; 0 = off), got {value!r}")
-    if value < 0:
-        raise ValueError(f"{ARGUMENT}: must be >= 0 (0 turns persistence off), got {value}")
-    return value
+    return check_int(ARGUMENT, value, minimum=0, meaning="0 turns persistence off")
 
 
 def is_persistent(num_elements: int, threshold: int) -> bool:

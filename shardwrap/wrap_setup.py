@@ -13,7 +13,7 @@ from . import optimizer_guard
 from .collectives import Communicator
 from .deferred_init import UnitMaterializer
 from .hooks import Unit
-from .options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy
+from .options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy, check_int
 from .persistence import UnitComms, is_persistent
 from .units import build_unit
 
@@ -120,11 +120,7 @@ def check_one_device(records: list) -> None:
 
 def check_bucket_bytes(num_bytes: object) -> int:
     """A bucket budget in bytes (0 turns bucketing off)."""
-    if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
-        raise TypeError(f"num_bytes: expected an int, got {num_bytes!r}")
-    if num_bytes < 0:
-        raise ValueError(f"num_bytes: must be >= 0 (0 turns bucketing off), got {num_bytes}")
-    return num_bytes
+    return check_int("num_bytes", num_bytes, minimum=0, meaning="0 turns bucketing off")
 
 
 def on_accelerator(module: nn.Module) -> bool:
