@@ -69,9 +69,9 @@ class ReduceBucket:
         plan = [handle]
         planned_bytes = _flat_grad_bytes(handle)
         for later in upcoming:
-            if planned_bytes >= budget_bytes or not _compatible(plan[0], later):
-                break
-            if not reduces_in_place(later):
+            # compatible with an in-place handle: one shard and the same replica group, so
+            # in place too
+            if planned_bytes >= budget_bytes or not _compatible(handle, later):
                 break
             plan.append(later)
             planned_bytes += _flat_grad_bytes(later)

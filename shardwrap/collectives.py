@@ -129,12 +129,7 @@ class Communicator:
         return self._timed(work, start)
 
     def reduce_scatter(
-        self,
-        out_shard: torch.Tensor,
-        in_full: torch.Tensor,
-        *,
-        purpose: str,
-        unit: str = "",
+        self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit: str = ""
     ):
         """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``.
 

@@ -413,7 +413,7 @@ class FlatParamHandle:
                 param.grad.add_(grad)
 
     def _grads_cover(self, pending: torch.Tensor, global_present: list[bool]) -> bool:
-        present = [i for i, info in enumerate(self.layout.params) if global_present[i]]
+        present = [i for i, is_present in enumerate(global_present) if is_present]
         if any(self.shard_params[i].grad is not None for i in present):
             return False  # accumulating onto earlier gradients: views would leave dead slots
         used = sum(self.shard_view(pending, i).numel() for i in present)

@@ -73,11 +73,10 @@ def all_gather(
     own = slices[rank]
     if own.data_ptr() != in_shard.data_ptr():
         own.copy_(in_shard.reshape(-1))
-    source = own  # contiguous, and alive as long as the output
     tag = _next_tag(group)
     works = []
-    for peer in _peers(rank, size):
-        works.append(group.send([source], peer, tag))
+    for peer in _peers(rank, size):  # ``own`` is sent: contiguous, alive with the output
+        works.append(group.send([own], peer, tag))
         works.append(group.recv([slices[peer]], peer, tag))
     return PairwiseWork(works)
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ from torch.optim.optimizer import (
 )
 
 from .collectives import Communicator
-from .flat_param import holds_shards_of
+from .flat_param import FlatParamHandle, holds_shards_of
 from .hooks import TrainingState, Unit
 from .schedule import Schedule
 
@@ -45,6 +47,24 @@ def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
     for runtime in list(_LIVE_RUNTIMES):
         if runtime.sync_grads and runtime._owns(optimizer):
             runtime.reduce_deferred_grads()
+
+
+@dataclass(frozen=True)
+class _PresenceVote:
+    """A presence vote in flight: its work, the flags it reduces, the handles they cover."""
+
+    work: Any
+    flags: torch.Tensor  # int32, one per parameter of ``handles``, in order
+    handles: list[FlatParamHandle]
+
+    def finish(self) -> None:
+        """Wait, then hand each handle's reduced gradient to the shard views that got one."""
+        self.work.wait()
+        start = 0
+        for handle in self.handles:
+            count = len(handle.local_grad_present)
+            handle.assign_grads([bool(f) for f in self.flags[start : start + count].tolist()])
+            start += count
 
 
 class StepRuntime:
@@ -110,7 +130,7 @@ class StepRuntime:
             vote = self.start_vote(self.units)
         self.schedule.end_step(self.execution_order)
         if vote is not None:
-            self.finish_vote(*vote)
+            vote.finish()
         for unit in self.units:
             unit.state = TrainingState.IDLE
         self.execution_order.clear()
@@ -144,9 +164,9 @@ class StepRuntime:
         """All-reduce per-parameter presence flags and hand reduced grads to shard views."""
         vote = self.start_vote(units)
         if vote is not None:
-            self.finish_vote(*vote)
+            vote.finish()
 
-    def start_vote(self, units: list[Unit]) -> tuple | None:
+    def start_vote(self, units: list[Unit]) -> _PresenceVote | None:
         """Issue the presence vote of ``units`` (see [Note: gradient presence])."""
         handles = [u.handle for u in units if u.handle is not None]
         if not handles:
@@ -155,17 +175,7 @@ class StepRuntime:
             [int(f) for h in handles for f in h.local_grad_present], dtype=torch.int32
         )
         work = self.world_comm.all_reduce(flags, purpose="grad_presence", op=dist.ReduceOp.MAX)
-        return work, flags, handles
-
-    @staticmethod
-    def finish_vote(work, flags: torch.Tensor, handles: list) -> None:
-        """Wait for the vote and hand each handle's reduced gradient to its shard views."""
-        work.wait()
-        start = 0
-        for h in handles:
-            count = len(h.local_grad_present)
-            h.assign_grads([bool(f) for f in flags[start : start + count].tolist()])
-            start += count
+        return _PresenceVote(work, flags, handles)
 
     # ----------------------------------------------------- ZeRO-1 step hooks
     def reduce_deferred_grads(self) -> None:

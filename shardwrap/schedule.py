@@ -62,15 +62,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from . import gather_bucket
 from .bucketing import ReduceBucket, reduces_in_place
 from .flat_param import FlatParamHandle
+from .hooks import TrainingState, Unit
 from .options import BackwardPrefetch
 
-if TYPE_CHECKING:
-    from .hooks import Unit
+# Unit states for _backward_next: backward not started yet / gradients not reduced yet.
+_NOT_STARTED = (TrainingState.FORWARD,)
+_NOT_REDUCED = (TrainingState.FORWARD, TrainingState.BACKWARD)
 
 # Reduce-scatters in flight at once, each holding its unit's full flat gradient; see
 # [Note: reductions in flight].
@@ -159,7 +160,8 @@ class Schedule:
         """Issue the reduction of ``unit``, whose backward just ended."""
         upcoming: list[FlatParamHandle] = []
         if self.reduce_bucket_bytes > 0:
-            upcoming = [u.handle for u in _reduce_next(unit, execution_order) if u.handle]
+            later = _backward_next(unit, execution_order, _NOT_REDUCED)
+            upcoming = [u.handle for u in later if u.handle is not None]
         self.start_reduce(unit.handle, upcoming)  # type: ignore[arg-type]
 
     def start_reduce(
@@ -239,27 +241,16 @@ def _not_run_yet(units: list[Unit]) -> list[Unit]:
     A forward re-run in backward (activation checkpointing) must not bucket the units
     after it: their backward is over.
     """
-    from .hooks import TrainingState
-
     return list(itertools.takewhile(lambda u: u.state is TrainingState.IDLE, units))
 
 
-def _backward_next(unit: Unit, execution_order: list[Unit]) -> list[Unit]:
-    """The units whose backward is still to come after ``unit``'s, in the order it comes."""
-    from .hooks import TrainingState
+def _backward_next(
+    unit: Unit, execution_order: list[Unit], states: tuple[TrainingState, ...] = _NOT_STARTED
+) -> list[Unit]:
+    """The units in ``states`` other than ``unit``, in the order backward reaches them.
 
-    return [
-        u for u in reversed(execution_order) if u is not unit and u.state is TrainingState.FORWARD
-    ]
-
-
-def _reduce_next(unit: Unit, execution_order: list[Unit]) -> list[Unit]:
-    """The units whose gradient reduction is still to come after ``unit``'s, in order.
-
-    Those whose backward has not started, and those around ``unit`` whose backward has
-    started but not ended (an enclosing unit, the root), which reduce after it.
+    By default those whose backward is still to come after ``unit``'s; with
+    :data:`_NOT_REDUCED` also those whose backward has started but not ended (an
+    enclosing unit, the root), which reduce after ``unit``.
     """
-    from .hooks import TrainingState
-
-    pending = (TrainingState.FORWARD, TrainingState.BACKWARD)
-    return [u for u in reversed(execution_order) if u is not unit and u.state in pending]
+    return [u for u in reversed(execution_order) if u is not unit and u.state in states]
