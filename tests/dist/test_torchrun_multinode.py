@@ -48,7 +48,8 @@ def test_two_nodes_hybrid_shard_matches_reference(tmp_path: Path) -> None:
             if node.poll() is None:
                 node.kill()
     codes = [node.returncode for node in nodes]
-    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    # Whole logs: a rank's first error (not only torchrun's summary) tells what went wrong.
+    assert codes == [0, 0], "\n".join(f"--- node {i} ---\n{log}" for i, log in enumerate(logs))
     result = json.loads(out.read_text())
     assert result["world_size"] == 4
     for losses in result["losses"].values():
