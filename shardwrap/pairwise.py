@@ -30,12 +30,16 @@ point-to-point traffic (tag 0 by default).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
+
+from . import posting
 
 _FIRST_TAG = 1 << 24
 _NUM_TAGS = (1 << 31) - _FIRST_TAG
@@ -49,16 +53,21 @@ def _next_tag(group: dist.ProcessGroup) -> int:
 
 
 class PairwiseWork:
-    """Waits for every send and receive of one collective, then runs its finishing step."""
+    """Waits for every send and receive of one collective, then runs its finishing step.
 
-    def __init__(self, works: list, finish: Callable[[], None] | None = None) -> None:
-        self._works = works
+    ``posted``: the posts, issued on the helper thread ([Note: posting off the compute
+    thread]); its result is their works.
+    """
+
+    def __init__(self, posted: Future, finish: Callable[[], None] | None = None) -> None:
+        self._posted: Future | None = posted
         self._finish = finish
 
     def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        self._works = []
+        if self._posted is not None:
+            posted, self._posted = self._posted, None
+            for work in posted.result():
+                work.wait()
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -74,11 +83,8 @@ def all_gather(
     if own.data_ptr() != in_shard.data_ptr():
         own.copy_(in_shard.reshape(-1))
     tag = _next_tag(group)
-    works = []
-    for peer in _peers(rank, size):  # ``own`` is sent: contiguous, alive with the output
-        works.append(group.send([own], peer, tag))
-        works.append(group.recv([slices[peer]], peer, tag))
-    return PairwiseWork(works)
+    exchanges = [(own, slices[peer], peer) for peer in _peers(rank, size)]
+    return PairwiseWork(posting.post(functools.partial(_exchange, group, exchanges, tag)))
 
 
 def reduce_scatter(
@@ -91,10 +97,10 @@ def reduce_scatter(
     slices = in_full.view(size, -1)
     received = torch.empty((size - 1, slices.shape[1]), dtype=in_full.dtype, device=in_full.device)
     tag = _next_tag(group)
-    works = []
-    for index, peer in enumerate(_peers(rank, size)):
-        works.append(group.send([slices[peer]], peer, tag))
-        works.append(group.recv([received[index]], peer, tag))
+    exchanges = [
+        (slices[peer], received[index], peer) for index, peer in enumerate(_peers(rank, size))
+    ]
+    posted = posting.post(functools.partial(_exchange, group, exchanges, tag))
     contributions = [
         slices[rank] if peer == rank else received[_peer_index(rank, peer, size)]
         for peer in range(size)
@@ -105,7 +111,18 @@ def reduce_scatter(
         for contribution in contributions[2:]:
             out_shard.view(-1).add_(contribution)
 
-    return PairwiseWork(works, finish)
+    return PairwiseWork(posted, finish)
+
+
+def _exchange(
+    group: dist.ProcessGroup, exchanges: list[tuple[torch.Tensor, torch.Tensor, int]], tag: int
+) -> list:
+    """Send and receive ``(outgoing, incoming, peer)`` for every peer; their works."""
+    works = []
+    for outgoing, incoming, peer in exchanges:
+        works.append(group.send([outgoing], peer, tag))
+        works.append(group.recv([incoming], peer, tag))
+    return works
 
 
 def _peers(rank: int, size: int) -> list[int]:

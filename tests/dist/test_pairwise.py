@@ -5,10 +5,13 @@ See [Note: pairwise collectives on gloo] in ``shardwrap/pairwise.py``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from shardwrap import posting
 from shardwrap.collectives import CommLedger, Communicator
 from tests.dist.harness import run_ranks
 
@@ -62,10 +65,30 @@ def _check_group(comm: Communicator, group, dtype: torch.dtype) -> dict:
     }
 
 
+def _blocked_rank_still_posts(world: Communicator) -> bool:
+    """Rank 0 blocks in a torch collective with its pairwise posts still queued; the
+    other ranks join that collective only once rank 0's posts reached them.
+    See [Note: posting off the compute thread].
+    """
+    shard = torch.full((SHARD_NUMEL,), float(world.rank))
+    gathered = torch.empty(world.size * SHARD_NUMEL)
+    if world.rank == 0:  # hold the helper so the gather's posts are still queued below
+        posting.post(lambda: time.sleep(0.3) or [])
+    work = world.all_gather(gathered, shard, purpose="params")
+    if world.rank != 0:
+        work.wait()
+    flag = torch.ones(1)
+    dist.all_reduce(flag)  # blocking
+    work.wait()
+    expected = torch.arange(world.size, dtype=torch.float32).repeat_interleave(SHARD_NUMEL)
+    return torch.equal(gathered, expected) and flag.item() == world.size
+
+
 def _worker(rank: int, world_size: int) -> dict:
     ledger = CommLedger()
     world = Communicator(dist.group.WORLD, ledger)
     result = {"pairwise": world._pairwise(torch.empty(1))}
+    result["blocked_rank_still_posts"] = _blocked_rank_still_posts(world)
     result["world"] = _check_group(world, dist.group.WORLD, torch.float32)
     result["bf16"] = _check_group(world, dist.group.WORLD, torch.bfloat16)
     # A subgroup of the last two ranks: peers are group ranks, not global ones.
@@ -85,6 +108,7 @@ def test_pairwise_collectives_match_torch(world_size: int) -> None:
     fp32 = SHARD_NUMEL * 2 * 4
     for rank, result in enumerate(run_ranks(_worker, world_size)):
         assert result["pairwise"] is True  # otherwise torch would be compared with itself
+        assert result["blocked_rank_still_posts"] is True
         assert result["world"] == all_true
         assert result["bf16"] == all_true
         if rank >= world_size - 2:
