@@ -168,10 +168,14 @@ def _shardwrap(
     all_gather_bucket_bytes: int = 0,
     persistence_threshold: int = 0,
     forward_prefetch: bool = True,
+    posts_on_helper: bool = True,
 ):
     def build(model: nn.Module, **_) -> ShardwrapTrainer:
         import shardwrap
+        from shardwrap import posting
         from shardwrap.policies import ModuleWrapPolicy
+
+        posting.USE_HELPER_THREAD = posts_on_helper  # this process runs one implementation
 
         wrapped = shardwrap.ShardedModule(
             model,
@@ -278,6 +282,17 @@ IMPLS: dict[str, ImplSpec] = {
             "shardwrap",
             3,
             _shardwrap("FULL_SHARD", forward_prefetch=False, all_gather_bucket_bytes=16 << 20),
+        ),
+        # Pairwise sends and receives posted on the training thread, as before
+        # [Note: posting off the compute thread].
+        *(
+            ImplSpec(
+                f"sw_{strategy.lower()}_inline_posts",
+                "shardwrap",
+                stage,
+                _shardwrap(strategy, posts_on_helper=False),
+            )
+            for strategy, stage in (("FULL_SHARD", 3), ("SHARD_GRAD_OP", 2), ("SHARD_OPTIM", 1))
         ),
         ImplSpec(
             "sw_full_shard_persist",

@@ -59,3 +59,10 @@ def test_a_forked_child_posts_through_its_own_helper() -> None:
     assert os.read(read_end, 16) == b"ok"
     os.close(read_end)
     assert status == 0
+
+
+def test_without_the_helper_posts_run_on_the_caller_thread(monkeypatch) -> None:
+    monkeypatch.setattr(posting, "USE_HELPER_THREAD", False)
+    future = posting.post(lambda: [threading.current_thread().name])
+    assert future.done()
+    assert future.result() == [threading.current_thread().name]
