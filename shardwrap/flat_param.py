@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .collectives import ROOT_LABEL, Communicator
+from .grad_buffer import ReusableGradBuffer
 from .host_offload import HostStaging, StagedShard
 from .layout import FlatLayout
 from .mixed_precision import HandlePrecision
@@ -147,6 +148,7 @@ class FlatParamHandle:
         # Restores flat_full's autograd version to what it was before that all-gather.
         self._gather_version_guard: Any = None
         self._reductions: list[_Reduction] = []  # gradient reductions issued, not yet waited
+        self._grad_buffer = ReusableGradBuffer()  # plain data parallel only
         self.reshard(free=True)
 
     # ------------------------------------------------------------------ views
@@ -322,12 +324,13 @@ class FlatParamHandle:
 
     def start_reduce_grads(self) -> None:
         """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it."""
-        flat_grad = self.take_local_grads()
         if self.num_shards == 1 and self.replicate_comm is not None:
             # Plain data parallel: the all-reduce is the first (and only) stage.
+            flat_grad = self.take_local_grads(self._dp_grad_buffer())
             work = self.replicate_comm.all_reduce(flat_grad, purpose="grads", unit=self.comm_label)
             self._reductions.append(_Reduction(work, flat_grad, flat_grad, replicate_done=True))
             return
+        flat_grad = self.take_local_grads()
         reduced = torch.empty(
             self.layout.shard_numel, dtype=self.reduce_dtype, device=flat_grad.device
         )
@@ -335,6 +338,16 @@ class FlatParamHandle:
             reduced, flat_grad, purpose="grads", unit=self.comm_label
         )
         self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
+
+    def _dp_grad_buffer(self) -> torch.Tensor:
+        """The plain data-parallel flat gradient, see [Note: reusing the data-parallel
+        gradient buffer]. The same tensor object becomes the pending gradient, which no
+        storage count sees: a reduction pending or in flight forbids reuse explicitly.
+        """
+        numel, device = self.flat_grad_numel, self.compute_device
+        if self._reductions or self.pending_grad_shard is not None:
+            return torch.empty(numel, dtype=self.reduce_dtype, device=device)
+        return self._grad_buffer.take(numel, self.reduce_dtype, device)
 
     def finish_reduce_grads(self) -> None:
         """Wait for the reductions in flight and add them to ``pending_grad_shard``."""

@@ -1,0 +1,96 @@
+"""NO_SHARD keeps its flat gradient buffer across steps, never under a live gradient.
+
+See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/grad_buffer.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import shardwrap
+from tests import models
+from tests.dist.harness import run_ranks
+from tests.dist.parity import build_model, wrap_policy
+
+
+def _reference_grads(rank: int, world_size: int, seeds: list[int]) -> dict[str, torch.Tensor]:
+    """Unsharded: the average over ranks of the gradients summed over ``seeds``."""
+    reference = build_model("mlp")
+    for seed in seeds:
+        models.mlp_loss(reference, models.mlp_batch(seed * world_size + rank)).backward()
+    grads = {}
+    for name, param in reference.named_parameters():
+        total = param.grad.clone()
+        dist.all_reduce(total)
+        grads[name] = total / world_size
+    return grads
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def _same(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
+    return grads.keys() == expected.keys() and all(
+        torch.equal(grads[k], expected[k]) for k in expected
+    )
+
+
+def _close(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
+    """Equal up to rounding: reducing per step and then summing adds in another order."""
+    return grads.keys() == expected.keys() and all(
+        torch.allclose(grads[k], expected[k], rtol=1.3e-6, atol=1e-5) for k in expected
+    )
+
+
+def _storages(grads: dict[str, torch.Tensor]) -> set[int]:
+    return {g.untyped_storage().data_ptr() for g in grads.values()}
+
+
+def _backward(model, rank: int, world_size: int, seed: int) -> None:
+    models.mlp_loss(model, models.mlp_batch(seed * world_size + rank)).backward()
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    model = shardwrap.ShardedModule(
+        build_model("mlp"), sharding_strategy="NO_SHARD", auto_wrap_policy=wrap_policy("mlp")
+    )
+    result = {}
+    _backward(model, rank, world_size, seed=0)
+    held = _grads(model)  # the user keeps step 0's gradients past zero_grad
+    held_values = {k: g.clone() for k, g in held.items()}
+    result["step0"] = _same(held, _reference_grads(rank, world_size, [0]))
+    model.zero_grad(set_to_none=True)
+
+    _backward(model, rank, world_size, seed=1)
+    step1 = _grads(model)
+    result["step1"] = _same(step1, _reference_grads(rank, world_size, [1]))
+    result["held_untouched"] = _same(held, held_values)
+    result["held_storage_not_reused"] = not (_storages(held) & _storages(step1))
+    step1_storages = _storages(step1)
+    del held, step1
+    model.zero_grad(set_to_none=True)
+
+    _backward(model, rank, world_size, seed=2)
+    step2 = _grads(model)
+    result["step2"] = _same(step2, _reference_grads(rank, world_size, [2]))
+    result["reused"] = _storages(step2) == step1_storages
+    del step2
+
+    _backward(model, rank, world_size, seed=3)  # no zero_grad: gradients accumulate
+    result["accumulated"] = _close(_grads(model), _reference_grads(rank, world_size, [2, 3]))
+    return result
+
+
+def test_no_shard_reuses_its_gradient_buffer_only_when_free() -> None:
+    for result in run_ranks(_worker, 2):
+        assert result == {
+            "step0": True,
+            "step1": True,
+            "held_untouched": True,
+            "held_storage_not_reused": True,
+            "step2": True,
+            "reused": True,
+            "accumulated": True,
+        }
