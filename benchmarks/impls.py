@@ -327,4 +327,7 @@ EXPERIMENTS = (
     "sw_full_shard_noprefetch",
     "sw_full_shard_noprefetch_agb",
     "sw_full_shard_persist",
+    "sw_full_shard_inline_posts",
+    "sw_shard_grad_op_inline_posts",
+    "sw_shard_optim_inline_posts",
 )
