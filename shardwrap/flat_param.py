@@ -29,6 +29,7 @@ bumps the counter it shares with ``flat_shard``.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from torch import nn
 
 from .collectives import ROOT_LABEL, Communicator
 from .grad_buffer import ReusableGradBuffer
+from .grad_transfer import assign_reduced, flatten_local_grads
 from .host_offload import HostStaging, StagedShard
 from .layout import FlatLayout
 from .mixed_precision import HandlePrecision
@@ -389,20 +391,10 @@ class FlatParamHandle:
         return bool(self._reductions)
 
     def _flatten_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        # Every element is written once: a gradient, or zeros (missing gradient, padding).
         flat_grad = out
         if flat_grad is None:
             flat_grad = torch.empty_like(self.flat_full, memory_format=torch.contiguous_format)
-        flat_grad[self.layout.unpadded_numel :].zero_()
-        for index, (info, param) in enumerate(
-            zip(self.layout.params, self.full_params, strict=True)
-        ):
-            if param.grad is None:
-                flat_grad[info.offset : info.end].zero_()
-                continue
-            flat_grad[info.offset : info.end].copy_(param.grad.reshape(-1))
-            self.local_grad_present[index] = True
-            param.grad = None
+        flatten_local_grads(flat_grad, self.layout, self.full_params, self.local_grad_present)
         return flat_grad
 
     def assign_grads(self, global_present: list[bool]) -> None:
@@ -410,27 +402,9 @@ class FlatParamHandle:
         pending = self.pending_grad_shard
         self.pending_grad_shard = None
         self.local_grad_present = [False] * len(self.full_params)
-        if pending is None:
-            return
-        # Views of the reduced buffer when they cover all of it (no padding, no frozen or
-        # absent parameter's slot): a copy per parameter would cost a pass over the gradient
-        # and hold nothing less. Otherwise copies, so that no dead slot outlives the step.
-        as_views = self._grads_cover(pending, global_present)
-        for index, param in enumerate(self.shard_params):
-            if not global_present[index]:
-                continue
-            grad = self.shard_view(pending, index)
-            if param.grad is None:
-                param.grad = grad if as_views else grad.clone()
-            else:
-                param.grad.add_(grad)
-
-    def _grads_cover(self, pending: torch.Tensor, global_present: list[bool]) -> bool:
-        present = [i for i, is_present in enumerate(global_present) if is_present]
-        if any(self.shard_params[i].grad is not None for i in present):
-            return False  # accumulating onto earlier gradients: views would leave dead slots
-        used = sum(self.shard_view(pending, i).numel() for i in present)
-        return used == pending.numel()
+        if pending is not None:
+            piece_of = functools.partial(self.shard_view, pending)
+            assign_reduced(self.shard_params, piece_of, pending, global_present)
 
     def late_grad_names(self) -> list[str]:
         """Parameters whose local gradient arrived after this unit was reduced."""
