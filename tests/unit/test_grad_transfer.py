@@ -1,0 +1,61 @@
+"""Local gradients into a flat buffer and reduced gradients onto views (no process group)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwrap.grad_transfer import assign_reduced, flatten_local_grads
+from shardwrap.layout import FlatLayout
+
+SHAPES = [("a", (2, 3), True), ("b", (4,), True), ("c", (3,), True)]
+
+
+def _params_with_grads(missing: str | None = None) -> list[nn.Parameter]:
+    params = []
+    for index, (name, shape, _) in enumerate(SHAPES):
+        param = nn.Parameter(torch.zeros(shape))
+        if name != missing:
+            param.grad = torch.arange(param.numel(), dtype=torch.float32).view(shape) + 10 * index
+        params.append(param)
+    return params
+
+
+def test_flatten_writes_every_slot_once_and_clears_the_views() -> None:
+    layout = FlatLayout.build(SHAPES, num_shards=4)  # 13 elements, padded to 16
+    params = _params_with_grads(missing="b")
+    a_grad, c_grad = params[0].grad.reshape(-1), params[2].grad
+    expected = torch.cat([a_grad, torch.zeros(4), c_grad, torch.zeros(3)])
+    flat = torch.full((layout.padded_numel,), float("nan"))  # stale contents must not leak
+    present = [False, False, False]
+    flatten_local_grads(flat, layout, params, present)
+    assert torch.equal(flat, expected)
+    assert present == [True, False, True]
+    assert all(p.grad is None for p in params)
+
+
+def _pieces(pending: torch.Tensor, layout: FlatLayout):
+    return lambda i: pending[layout.params[i].offset : layout.params[i].end].view(
+        layout.params[i].shape
+    )
+
+
+def test_assign_hands_out_views_when_they_cover_the_buffer() -> None:
+    layout = FlatLayout.build(SHAPES, num_shards=1)
+    pending = torch.arange(13, dtype=torch.float32)
+    params = [nn.Parameter(torch.zeros(shape)) for _, shape, _ in SHAPES]
+    assign_reduced(params, _pieces(pending, layout), pending, [True, True, True])
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in params]), pending)
+    assert all(p.grad.untyped_storage().data_ptr() == pending.data_ptr() for p in params)
+
+
+def test_assign_copies_when_a_slot_is_dead_and_adds_to_existing_grads() -> None:
+    layout = FlatLayout.build(SHAPES, num_shards=1)
+    pending = torch.arange(13, dtype=torch.float32)
+    params = [nn.Parameter(torch.zeros(shape)) for _, shape, _ in SHAPES]
+    assign_reduced(params, _pieces(pending, layout), pending, [True, False, True])
+    assert params[1].grad is None  # no rank had a gradient for it
+    assert params[0].grad.untyped_storage().data_ptr() != pending.data_ptr()  # a copy
+    assert torch.equal(params[2].grad, pending[10:13])
+    assign_reduced(params, _pieces(pending, layout), pending, [True, False, True])
+    assert torch.equal(params[2].grad, 2 * pending[10:13])  # accumulated
