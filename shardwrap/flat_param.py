@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .collectives import ROOT_LABEL, Communicator
-from .grad_buffer import ReusableGradBuffer
+from .grad_buffer import ReusableGradBuffer, ScratchPool
 from .grad_transfer import assign_reduced, flatten_local_grads
 from .host_offload import HostStaging, StagedShard
 from .layout import FlatLayout
@@ -324,15 +324,22 @@ class FlatParamHandle:
         self.start_reduce_grads()
         self.finish_reduce_grads()
 
-    def start_reduce_grads(self) -> None:
-        """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it."""
+    def start_reduce_grads(self, scratch: ScratchPool | None = None) -> None:
+        """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it.
+
+        ``scratch``: where a sharded unit's flat gradient (the reduce-scatter's input) comes
+        from; a new buffer when None.
+        """
         if self.num_shards == 1 and self.replicate_comm is not None:
             # Plain data parallel: the all-reduce is the first (and only) stage.
             flat_grad = self.take_local_grads(self._dp_grad_buffer())
             work = self.replicate_comm.all_reduce(flat_grad, purpose="grads", unit=self.comm_label)
             self._reductions.append(_Reduction(work, flat_grad, flat_grad, replicate_done=True))
             return
-        flat_grad = self.take_local_grads()
+        out = None
+        if scratch is not None:
+            out = scratch.take(self.flat_grad_numel, self.reduce_dtype, self.compute_device)
+        flat_grad = self.take_local_grads(out)
         reduced = torch.empty(
             self.layout.shard_numel, dtype=self.reduce_dtype, device=flat_grad.device
         )
@@ -343,13 +350,10 @@ class FlatParamHandle:
 
     def _dp_grad_buffer(self) -> torch.Tensor:
         """The plain data-parallel flat gradient, see [Note: reusing the data-parallel
-        gradient buffer]. The same tensor object becomes the pending gradient, which no
-        storage count sees: a reduction pending or in flight forbids reuse explicitly.
+        gradient buffer]. A reduction in flight or pending holds the view it was given,
+        so its buffer is not handed out again until the gradients are gone.
         """
-        numel, device = self.flat_grad_numel, self.compute_device
-        if self._reductions or self.pending_grad_shard is not None:
-            return torch.empty(numel, dtype=self.reduce_dtype, device=device)
-        return self._grad_buffer.take(numel, self.reduce_dtype, device)
+        return self._grad_buffer.take(self.flat_grad_numel, self.reduce_dtype, self.compute_device)
 
     def finish_reduce_grads(self) -> None:
         """Wait for the reductions in flight and add them to ``pending_grad_shard``."""

@@ -1,4 +1,5 @@
-"""The flat gradient buffer of a plain data-parallel unit, kept from step to step.
+"""Flat gradient buffers kept from step to step: a plain data-parallel unit's own buffer,
+and a small pool of reduce-scatter inputs shared by a root's sharded units.
 
 [Note: reusing the data-parallel gradient buffer]
 Without sharding (NO_SHARD), a unit's local gradients are flattened into one buffer, the
@@ -14,6 +15,12 @@ holds it: once ``zero_grad`` has dropped the views (and no one kept a reference 
 gradient), only the kept tensor refers to its storage. A gradient still attached, or
 kept by the user, makes the next step take a new buffer, so no value anyone can still
 read is ever overwritten.
+
+A sharded unit's flat gradient is only the reduce-scatter's input and is dropped when
+that collective is done, so one root's units can share a few of them (:class:`ScratchPool`):
+as many as there can be reductions in flight plus the one being filled. That is at most
+a few units' worth of memory held between steps, the role a GPU caching allocator plays
+for FSDP.
 """
 
 from __future__ import annotations
@@ -34,7 +41,11 @@ def held_only_by(tensor: torch.Tensor) -> bool:
 
 
 class ReusableGradBuffer:
-    """One flat buffer handed out again each step while no one else holds it."""
+    """One flat buffer handed out again each step while no one else holds it.
+
+    Each :meth:`take` returns a new view of the kept buffer, so that whatever holds the
+    view keeps the buffer from being handed out again.
+    """
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
@@ -43,12 +54,46 @@ class ReusableGradBuffer:
         """A 1D buffer of ``numel`` elements: the kept one if free, else a new one (kept)."""
         kept = self._buffer
         if (
-            kept is not None
-            and kept.numel() == numel
-            and kept.dtype == dtype
-            and kept.device == device
-            and held_only_by(kept)
+            kept is None
+            or kept.numel() != numel
+            or kept.dtype != dtype
+            or kept.device != torch.device(device)
+            or not held_only_by(kept)
         ):
-            return kept
-        self._buffer = torch.empty(numel, dtype=dtype, device=device)
-        return self._buffer
+            kept = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+        return _lent(kept)
+
+
+class ScratchPool:
+    """Flat buffers lent for one use each and taken back when no one holds them any more.
+
+    ``capacity``: buffers kept per (numel, dtype, device); a request finding all of them
+    in use gets a new buffer that is not kept.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.num_allocated = 0  # buffers created so far, kept or not
+        self._kept: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D buffer of ``numel`` elements that nothing else holds (contents undefined)."""
+        kept = self._kept.setdefault((numel, dtype, torch.device(device)), [])
+        for buffer in kept:
+            if held_only_by(buffer):
+                return _lent(buffer)
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self.num_allocated += 1
+        if len(kept) < self.capacity:
+            kept.append(buffer)
+        return _lent(buffer)
+
+
+def _lent(buffer: torch.Tensor) -> torch.Tensor:
+    # A view is a tensor of its own on the same storage: as long as it (or anything made
+    # from it, a collective's reference included) is alive, the storage count says so.
+    # Handing out the kept tensor itself would not: holders of the same tensor object
+    # add nothing to the count.
+    return buffer.view(-1)

@@ -66,6 +66,7 @@ from collections.abc import Sequence
 from . import gather_bucket
 from .bucketing import ReduceBucket, reduces_in_place
 from .flat_param import FlatParamHandle
+from .grad_buffer import ScratchPool
 from .hooks import TrainingState, Unit
 from .options import BackwardPrefetch
 
@@ -93,6 +94,9 @@ class Schedule:
         self._bucket = ReduceBucket()  # units waiting to be reduced together
         self._issued_buckets: list[ReduceBucket] = []  # fused reductions not yet waited
         self.max_sharded_reduces_in_flight = MAX_SHARDED_REDUCES_IN_FLIGHT
+        # Reduce-scatter inputs, reused from step to step: those in flight and the one
+        # being filled ([Note: reusing the data-parallel gradient buffer]).
+        self.scratch = ScratchPool(capacity=MAX_SHARDED_REDUCES_IN_FLIGHT + 1)
 
     # ------------------------------------------------------------- prefetch
     def after_pre_forward(self, unit: Unit) -> None:
@@ -175,7 +179,7 @@ class Schedule:
         if self.reduce_bucket_bytes <= 0:
             if not reduces_in_place(handle):
                 self._wait_for_sharded_room()
-            handle.start_reduce_grads()
+            handle.start_reduce_grads(self.scratch)
             self._reducing.append(handle)
             return
         if self._bucket.handles and not self._bucket.accepts(handle):

@@ -94,3 +94,23 @@ def test_no_shard_reuses_its_gradient_buffer_only_when_free() -> None:
             "reused": True,
             "accumulated": True,
         }
+
+
+def _sharded_worker(rank: int, world_size: int) -> dict:
+    model = shardwrap.ShardedModule(
+        build_model("mlp"), sharding_strategy="SHARD_GRAD_OP", auto_wrap_policy=wrap_policy("mlp")
+    )
+    pool = model._runtime.schedule.scratch
+    allocated = []
+    for seed in range(3):
+        _backward(model, rank, world_size, seed=seed)
+        allocated.append(pool.num_allocated)
+        model.zero_grad(set_to_none=True)
+    return {"allocated": allocated, "capacity": pool.capacity}
+
+
+def test_sharded_units_share_reduce_scatter_inputs_across_steps() -> None:
+    for result in run_ranks(_sharded_worker, 2):
+        first, *later = result["allocated"]
+        assert first >= 1
+        assert later == [first, first]  # nothing new after the first step
