@@ -49,11 +49,11 @@ def assign_reduced(
     parameter would cost a pass over the gradient and hold nothing less. Otherwise copies,
     so that no dead slot outlives the step. A gradient already there is added to.
     """
-    as_views = _pieces_cover(shard_params, piece_of, pending, global_present)
-    for index, param in enumerate(shard_params):
-        if not global_present[index]:
+    pieces = [piece_of(i) if present else None for i, present in enumerate(global_present)]
+    as_views = _pieces_cover(shard_params, pieces, pending)
+    for param, grad in zip(shard_params, pieces, strict=True):
+        if grad is None:
             continue
-        grad = piece_of(index)
         if param.grad is None:
             param.grad = grad if as_views else grad.clone()
         else:
@@ -61,12 +61,13 @@ def assign_reduced(
 
 
 def _pieces_cover(
-    shard_params: list[nn.Parameter],
-    piece_of: Callable[[int], torch.Tensor],
-    pending: torch.Tensor,
-    global_present: list[bool],
+    shard_params: list[nn.Parameter], pieces: list[torch.Tensor | None], pending: torch.Tensor
 ) -> bool:
-    present = [i for i, is_present in enumerate(global_present) if is_present]
-    if any(shard_params[i].grad is not None for i in present):
+    given = [
+        (param, piece)
+        for param, piece in zip(shard_params, pieces, strict=True)
+        if piece is not None
+    ]
+    if any(param.grad is not None for param, _ in given):
         return False  # accumulating onto earlier gradients: views would leave dead slots
-    return sum(piece_of(i).numel() for i in present) == pending.numel()
+    return sum(piece.numel() for _, piece in given) == pending.numel()

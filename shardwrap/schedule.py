@@ -96,7 +96,7 @@ class Schedule:
         self.max_sharded_reduces_in_flight = MAX_SHARDED_REDUCES_IN_FLIGHT
         # Reduce-scatter inputs, reused from step to step: those in flight and the one
         # being filled ([Note: reusing the data-parallel gradient buffer]).
-        self.scratch = ScratchPool(capacity=MAX_SHARDED_REDUCES_IN_FLIGHT + 1)
+        self.scratch = ScratchPool(capacity=self.max_sharded_reduces_in_flight + 1)
 
     # ------------------------------------------------------------- prefetch
     def after_pre_forward(self, unit: Unit) -> None:
