@@ -25,21 +25,31 @@ The all-reduce runs in place on the filled slots, and each member keeps a view o
 as its reduced gradient, so no byte is copied beyond the flattening that happens anyway.
 A member that arrives out of plan (a branch not taken) closes the bucket early: the
 slots filled so far are reduced, and the newcomer opens the next bucket.
+
+The buffer is kept from step to step per plan, on the same terms as a plain unit's own
+gradient buffer ([Note: reusing the data-parallel gradient buffer]): it is filled again
+only once nothing else holds any of its slots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .flat_param import FlatParamHandle
+from .grad_buffer import ReusableGradBuffer
 
 
 class ReduceBucket:
     """Flat gradients of several handles, reduced by a single collective."""
 
-    def __init__(self, plan: list[FlatParamHandle] | None = None) -> None:
+    def __init__(
+        self,
+        plan: list[FlatParamHandle] | None = None,
+        slot_buffer: ReusableGradBuffer | None = None,
+    ) -> None:
         self.handles: list[FlatParamHandle] = []
         self.grads: list[torch.Tensor] = []  # each 1D, padded, reduce_dtype
         self.num_bytes = 0
@@ -52,18 +62,23 @@ class ReduceBucket:
         self._slots: torch.Tensor | None = None
         if self._plan:
             first = self._plan[0]
-            self._slots = torch.empty(
-                sum(h.flat_grad_numel for h in self._plan),
-                dtype=first.reduce_dtype,
-                device=first.flat_full.device,
-            )
+            numel = sum(h.flat_grad_numel for h in self._plan)
+            source = slot_buffer or ReusableGradBuffer()
+            self._slots = source.take(numel, first.reduce_dtype, first.flat_full.device)
         self._filled = 0
 
     @classmethod
     def opened_by(
-        cls, handle: FlatParamHandle, upcoming: list[FlatParamHandle], budget_bytes: int
+        cls,
+        handle: FlatParamHandle,
+        upcoming: list[FlatParamHandle],
+        budget_bytes: int,
+        slot_buffer_for: Callable[[tuple[FlatParamHandle, ...]], ReusableGradBuffer] | None = None,
     ) -> ReduceBucket:
-        """A bucket for ``handle``: planned in place when it reduces in place, else plain."""
+        """A bucket for ``handle``: planned in place when it reduces in place, else plain.
+
+        ``slot_buffer_for``: the kept buffer of an in-place plan (else a new buffer).
+        """
         if not reduces_in_place(handle):
             return cls()
         plan = [handle]
@@ -75,7 +90,7 @@ class ReduceBucket:
                 break
             plan.append(later)
             planned_bytes += _flat_grad_bytes(later)
-        return cls(plan)
+        return cls(plan, slot_buffer_for(tuple(plan)) if slot_buffer_for else None)
 
     def accepts(self, handle: FlatParamHandle) -> bool:
         if self._plan:

@@ -49,6 +49,7 @@ class ReusableGradBuffer:
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
+        self.num_allocated = 0  # buffers created so far
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer of ``numel`` elements: the kept one if free, else a new one (kept)."""
@@ -61,6 +62,7 @@ class ReusableGradBuffer:
             or not held_only_by(kept)
         ):
             kept = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+            self.num_allocated += 1
         return _lent(kept)
 
 

@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from . import gather_bucket
 from .bucketing import ReduceBucket, reduces_in_place
 from .flat_param import FlatParamHandle
-from .grad_buffer import ScratchPool
+from .grad_buffer import ReusableGradBuffer, ScratchPool
 from .hooks import TrainingState, Unit
 from .options import BackwardPrefetch
 
@@ -97,6 +97,11 @@ class Schedule:
         # Reduce-scatter inputs, reused from step to step: those in flight and the one
         # being filled ([Note: reusing the data-parallel gradient buffer]).
         self.scratch = ScratchPool(capacity=self.max_sharded_reduces_in_flight + 1)
+        # The buffers of in-place buckets, by plan ([Note: in-place buckets]): those of
+        # the last step and those used so far in this one. Older plans are dropped, so
+        # changing control flow cannot pile buffers up.
+        self._bucket_slots_kept: dict[tuple[FlatParamHandle, ...], ReusableGradBuffer] = {}
+        self.bucket_slots: dict[tuple[FlatParamHandle, ...], ReusableGradBuffer] = {}
 
     # ------------------------------------------------------------- prefetch
     def after_pre_forward(self, unit: Unit) -> None:
@@ -185,10 +190,17 @@ class Schedule:
         if self._bucket.handles and not self._bucket.accepts(handle):
             self.flush_bucket()
         if not self._bucket.handles:
-            self._bucket = ReduceBucket.opened_by(handle, list(upcoming), self.reduce_bucket_bytes)
+            self._bucket = ReduceBucket.opened_by(
+                handle, list(upcoming), self.reduce_bucket_bytes, self._slot_buffer
+            )
         self._bucket.add(handle)
         if self._bucket.is_full(self.reduce_bucket_bytes):
             self.flush_bucket()
+
+    def _slot_buffer(self, plan: tuple[FlatParamHandle, ...]) -> ReusableGradBuffer:
+        buffer = self.bucket_slots.get(plan) or self._bucket_slots_kept.get(plan)
+        self.bucket_slots[plan] = buffer = buffer or ReusableGradBuffer()
+        return buffer
 
     def flush_bucket(self) -> None:
         """Issue the collective of the units collected so far."""

@@ -1,10 +1,12 @@
 """NO_SHARD keeps its flat gradient buffer across steps, never under a live gradient.
 
-See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/grad_buffer.py``.
+See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/grad_buffer.py`` and
+[Note: in-place buckets] in ``shardwrap/bucketing.py``.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -52,11 +54,24 @@ def _backward(model, rank: int, world_size: int, seed: int) -> None:
     models.mlp_loss(model, models.mlp_batch(seed * world_size + rank)).backward()
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _num_allocated(model, seen: set) -> int:
+    """Gradient buffers created so far: the units' own, or the in-place buckets'.
+
+    ``seen``: the keepers found by earlier calls, so a replaced one still counts.
+    """
+    schedule = model._runtime.schedule
+    seen.update(u.handle._grad_buffer for u in model.units if u.handle is not None)
+    seen.update([*schedule.bucket_slots.values(), *schedule._bucket_slots_kept.values()])
+    return sum(b.num_allocated for b in seen)
+
+
+def _worker(rank: int, world_size: int, bucket_bytes: int) -> dict:
     model = shardwrap.ShardedModule(
         build_model("mlp"), sharding_strategy="NO_SHARD", auto_wrap_policy=wrap_policy("mlp")
     )
+    model.set_reduce_bucket_size(bucket_bytes)
     result = {}
+    keepers = set()
     _backward(model, rank, world_size, seed=0)
     held = _grads(model)  # the user keeps step 0's gradients past zero_grad
     held_values = {k: g.clone() for k, g in held.items()}
@@ -69,6 +84,7 @@ def _worker(rank: int, world_size: int) -> dict:
     result["held_untouched"] = _same(held, held_values)
     result["held_storage_not_reused"] = not (_storages(held) & _storages(step1))
     step1_storages = _storages(step1)
+    allocated_by_step1 = _num_allocated(model, keepers)
     del held, step1
     model.zero_grad(set_to_none=True)
 
@@ -76,6 +92,7 @@ def _worker(rank: int, world_size: int) -> dict:
     step2 = _grads(model)
     result["step2"] = _same(step2, _reference_grads(rank, world_size, [2]))
     result["reused"] = _storages(step2) == step1_storages
+    result["nothing_new"] = _num_allocated(model, keepers) == allocated_by_step1
     del step2
 
     _backward(model, rank, world_size, seed=3)  # no zero_grad: gradients accumulate
@@ -83,8 +100,9 @@ def _worker(rank: int, world_size: int) -> dict:
     return result
 
 
-def test_no_shard_reuses_its_gradient_buffer_only_when_free() -> None:
-    for result in run_ranks(_worker, 2):
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 30], ids=["per_unit", "one_bucket"])
+def test_no_shard_reuses_its_gradient_buffer_only_when_free(bucket_bytes: int) -> None:
+    for result in run_ranks(_worker, 2, bucket_bytes):
         assert result == {
             "step0": True,
             "step1": True,
@@ -92,6 +110,7 @@ def test_no_shard_reuses_its_gradient_buffer_only_when_free() -> None:
             "held_storage_not_reused": True,
             "step2": True,
             "reused": True,
+            "nothing_new": True,
             "accumulated": True,
         }
 
