@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import pairwise
+from . import at_exit, pairwise
 
 ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")
 
@@ -113,6 +113,22 @@ class Communicator:
         self.host_capable = backend is None or backend_handles_cpu(backend)
         self.staging_device: torch.device | None = None  # None: the current accelerator
         self._gloo = backend == "gloo"
+        self._released = False
+        if group is not None:
+            at_exit.track(self)
+
+    def release_group(self) -> None:
+        """Drop the reference to the process group; see [Note: process groups at interpreter
+        exit]. Any later collective raises."""
+        self.group = None
+        self._released = True
+
+    def _check_not_released(self) -> None:
+        if self._released:
+            raise RuntimeError(
+                "shardwrap: this module's process group was released at interpreter exit; "
+                "no collective can run after that (see shardwrap/at_exit.py)"
+            )
 
     def all_gather(
         self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit: str = ""
@@ -171,6 +187,7 @@ class Communicator:
         """Every rank's ``obj`` (small Python values: flags, names, shapes)."""
         if self.size == 1:
             return [obj]
+        self._check_not_released()
         gathered: list[object] = [None] * self.size
         dist.all_gather_object(gathered, obj, group=self.group)
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
@@ -196,6 +213,7 @@ class Communicator:
 
     def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> float:
         """Check (debug), record, and return the issue time for :meth:`_timed`."""
+        self._check_not_released()
         if self.checker is not None:
             self.checker.check(kind, purpose, unit, tensor, self.size)
         self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit))

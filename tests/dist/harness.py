@@ -71,9 +71,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
             _collect(procs, queue, results, errors)
         finally:
             for p in procs:
-                p.join(timeout=5 if not errors else 0.5)
+                p.join(timeout=30 if not errors else 0.5)
                 if p.is_alive():
                     p.kill()
+        # A rank that reported and then died at exit (an abort in teardown) still fails:
+        # a job launcher would call the run failed. [Note: process groups at interpreter exit]
+        exits = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        if not errors and exits:
+            errors.append(f"ranks exited with non-zero codes after reporting: {exits}")
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
