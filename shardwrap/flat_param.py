@@ -315,17 +315,11 @@ class FlatParamHandle:
     def has_local_grads(self) -> bool:
         return any(p.grad is not None for p in self.full_params)
 
-    def reduce_grads(self) -> None:
-        """Reduce the full local gradients into this rank's shard (kept pending).
+    def start_reduce_grads(self, scratch: ScratchPool | None = None) -> None:
+        """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it.
 
         Parameters without a local gradient contribute zeros; whether they get a gradient
         at all is decided by the presence vote (:meth:`assign_grads`).
-        """
-        self.start_reduce_grads()
-        self.finish_reduce_grads()
-
-    def start_reduce_grads(self, scratch: ScratchPool | None = None) -> None:
-        """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it.
 
         ``scratch``: where a sharded unit's flat gradient (the reduce-scatter's input) comes
         from; a new buffer when None.
