@@ -8,7 +8,7 @@ straight to interpreter shutdown without letting go of the GIL, the gloo thread 
 for it only during finalization; Python then ends that thread under C++, and the
 process aborts ("terminate called without an active exception", SIGABRT), which a
 launcher reports as a failed job though training finished. Destroying the group during
-finalization does the same: its destructor joins those threads.
+finalization risks the same: its destructor lets those threads finish and joins them.
 
 A wrapped model lives in reference cycles (each unit's hooks refer to its module), so
 it and the groups its communicators hold survive until the collection that runs during
