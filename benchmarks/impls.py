@@ -304,6 +304,13 @@ IMPLS: dict[str, ImplSpec] = {
             0,
             _shardwrap("NO_SHARD", reduce_bucket_bytes=25 << 20),
         ),
+        # Half of the 5m model per bucket: two all-reduces, the first overlapping backward.
+        ImplSpec(
+            "sw_no_shard_b12",
+            "shardwrap",
+            0,
+            _shardwrap("NO_SHARD", reduce_bucket_bytes=12 << 20),
+        ),
         ImplSpec(
             "sw_full_shard_persist",
             "shardwrap",
@@ -341,4 +348,5 @@ EXPERIMENTS = (
     "sw_shard_grad_op_inline_posts",
     "sw_shard_optim_inline_posts",
     "sw_no_shard_b25",
+    "sw_no_shard_b12",
 )
