@@ -46,9 +46,7 @@ class ReduceBucket:
     """Flat gradients of several handles, reduced by a single collective."""
 
     def __init__(
-        self,
-        plan: list[FlatParamHandle] | None = None,
-        slot_buffer: ReusableGradBuffer | None = None,
+        self, plan: list[FlatParamHandle] | None = None, slots: torch.Tensor | None = None
     ) -> None:
         self.handles: list[FlatParamHandle] = []
         self.grads: list[torch.Tensor] = []  # each 1D, padded, reduce_dtype
@@ -57,14 +55,9 @@ class ReduceBucket:
         self._output: torch.Tensor | None = None
         self._input: torch.Tensor | None = None  # alive until the collective is done
         # In place ([Note: in-place buckets]): the members expected, in order, and the one
-        # buffer their slots share.
+        # buffer their slots share (1D, the plan's flat gradients end to end).
         self._plan = plan or []
-        self._slots: torch.Tensor | None = None
-        if self._plan:
-            first = self._plan[0]
-            numel = sum(h.flat_grad_numel for h in self._plan)
-            source = slot_buffer or ReusableGradBuffer()
-            self._slots = source.take(numel, first.reduce_dtype, first.flat_full.device)
+        self._slots = slots
         self._filled = 0
 
     @classmethod
@@ -73,11 +66,11 @@ class ReduceBucket:
         handle: FlatParamHandle,
         upcoming: list[FlatParamHandle],
         budget_bytes: int,
-        slot_buffer_for: Callable[[tuple[FlatParamHandle, ...]], ReusableGradBuffer] | None = None,
+        slot_buffer_for: Callable[[tuple[FlatParamHandle, ...]], ReusableGradBuffer],
     ) -> ReduceBucket:
         """A bucket for ``handle``: planned in place when it reduces in place, else plain.
 
-        ``slot_buffer_for``: the kept buffer of an in-place plan (else a new buffer).
+        ``slot_buffer_for``: the buffer kept for an in-place plan, which lends its slots.
         """
         if not reduces_in_place(handle):
             return cls()
@@ -90,7 +83,9 @@ class ReduceBucket:
                 break
             plan.append(later)
             planned_bytes += _flat_grad_bytes(later)
-        return cls(plan, slot_buffer_for(tuple(plan)) if slot_buffer_for else None)
+        numel = sum(h.flat_grad_numel for h in plan)
+        kept = slot_buffer_for(tuple(plan))
+        return cls(plan, kept.take(numel, handle.reduce_dtype, handle.flat_full.device))
 
     def accepts(self, handle: FlatParamHandle) -> bool:
         if self._plan:
