@@ -42,7 +42,8 @@ def post(issue: Callable[[], list[Any]]) -> Future:
     """Run ``issue`` (which posts sends and receives and returns their works) on the helper.
 
     Calls run one at a time, in the order they were made. The future's result is the list
-    ``issue`` returned; its exception, if ``issue`` raised.
+    ``issue`` returned; its exception, if ``issue`` raised. Without the helper
+    (``USE_HELPER_THREAD = False``) ``issue`` runs, and raises, right here.
     """
     if not USE_HELPER_THREAD:
         done: Future = Future()
