@@ -28,7 +28,11 @@ slots filled so far are reduced, and the newcomer opens the next bucket.
 
 The buffer is kept from step to step per plan, on the same terms as a plain unit's own
 gradient buffer ([Note: reusing the data-parallel gradient buffer]): it is filled again
-only once nothing else holds any of its slots.
+only once nothing else holds any of its slots. Like a data-parallel unit's own
+all-reduce, an in-place bucket is waited for only at the end of backward (see
+[Note: reductions in flight] in schedule.py): it holds no memory beyond its members'
+gradients, so issuing the next bucket never waits for it. A bucket that concatenates
+holds its input until done, so it is waited for before the next one is issued.
 """
 
 from __future__ import annotations
@@ -86,6 +90,11 @@ class ReduceBucket:
         numel = sum(h.flat_grad_numel for h in plan)
         kept = slot_buffer_for(tuple(plan))
         return cls(plan, kept.take(numel, handle.reduce_dtype, handle.flat_full.device))
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the members' slots share one buffer, all-reduced in place."""
+        return self._slots is not None
 
     def accepts(self, handle: FlatParamHandle) -> bool:
         if self._plan:

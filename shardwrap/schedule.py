@@ -206,7 +206,8 @@ class Schedule:
         """Issue the collective of the units collected so far."""
         if not self._bucket.handles:
             return
-        self.finish_reduces()
+        if not self._bucket.in_place:  # bounds the memory of concatenated inputs
+            self.finish_reduces()
         self._bucket.issue()
         self._issued_buckets.append(self._bucket)
         self._bucket = ReduceBucket()

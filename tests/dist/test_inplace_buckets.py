@@ -5,6 +5,7 @@ See [Note: in-place buckets] in ``shardwrap/bucketing.py``.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -81,3 +82,28 @@ def test_an_arrival_out_of_plan_closes_the_bucket() -> None:
         assert result["matches"]
         assert result["numels"] == result["expected_numels"]
         assert result["h0_h2_share"]
+
+
+def _issue_wait_worker(rank: int, world_size: int, strategy: str) -> dict:
+    model = shardwrap.ShardedModule(
+        build_model("mlp"), sharding_strategy=strategy, auto_wrap_policy=wrap_policy("mlp")
+    )
+    model.set_reduce_bucket_size(1)  # each unit fills a bucket alone
+    h0, h1 = [u.handle for u in model.units if u.handle is not None][:2]
+    with model.no_sync():
+        models.mlp_loss(model, models.mlp_batch(rank)).backward()
+    schedule = model._runtime.schedule
+    schedule.start_reduce(h1, [h0])
+    schedule.start_reduce(h0, [])  # issuing the second bucket
+    first_done = h1.pending_grad_shard is not None
+    schedule.finish_reduces()
+    return {"first_done": first_done, "both_done": None not in (h0.pending_grad_shard, h1.pending_grad_shard)}
+
+
+@pytest.mark.parametrize(("strategy", "waits"), [("NO_SHARD", False), ("FULL_SHARD", True)])
+def test_only_concatenating_buckets_wait_before_the_next(strategy: str, waits: bool) -> None:
+    # An in-place bucket holds no memory of its own, so the next bucket does not wait for
+    # it ([Note: in-place buckets]); a concatenated input is bounded to one in flight.
+    for result in run_ranks(_issue_wait_worker, 2, strategy):
+        assert result["first_done"] is waits
+        assert result["both_done"]
