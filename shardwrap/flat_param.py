@@ -142,6 +142,8 @@ class FlatParamHandle:
         self._gathered_version: int | None = None  # flat_shard._version at the last gather
         # Reduced gradient of this backward, waiting for the presence vote (1D, shard_numel).
         self.pending_grad_shard: torch.Tensor | None = None
+        # Whether it is (part of) a data-parallel buffer kept between steps, not a copy.
+        self._pending_is_kept = False
         self.local_grad_present = [False] * len(params)
         self._gather_work: Any = None  # an all-gather issued ahead (prefetch), not yet waited
         self._gather_input: torch.Tensor | None = None  # its input, alive until it is done
@@ -376,13 +378,16 @@ class FlatParamHandle:
         """Finish a reduction of this rank's shard (1D, shard_numel): replicas, scale, add."""
         if self.replicate_comm is not None and not replicate_done:
             self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
-        reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
+        scaled = reduced.to(self.dtype).div_(self.data_parallel_size)
+        # An in-place all-reduce reduced a kept buffer; it still is one unless cast here.
+        kept = replicate_done and scaled is reduced
         if self.host_staging is not None:  # the optimizer steps on the host
-            reduced = self.host_staging.to_host(reduced)
+            scaled, kept = self.host_staging.to_host(scaled), False
         if self.pending_grad_shard is None:
-            self.pending_grad_shard = reduced
+            self.pending_grad_shard = scaled
+            self._pending_is_kept = kept
         else:
-            self.pending_grad_shard.add_(reduced)
+            self.pending_grad_shard.add_(scaled)
 
     @property
     def reduce_in_flight(self) -> bool:
@@ -402,7 +407,14 @@ class FlatParamHandle:
         self.local_grad_present = [False] * len(self.full_params)
         if pending is not None:
             piece_of = functools.partial(self.shard_view, pending)
-            assign_reduced(self.shard_params, piece_of, pending, global_present)
+            assign_reduced(
+                self.shard_params,
+                piece_of,
+                pending,
+                global_present,
+                pending_is_kept=self._pending_is_kept,
+            )
+        self._pending_is_kept = False
 
     def late_grad_names(self) -> list[str]:
         """Parameters whose local gradient arrived after this unit was reduced."""

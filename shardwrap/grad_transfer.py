@@ -41,16 +41,22 @@ def assign_reduced(
     piece_of: Callable[[int], torch.Tensor],
     pending: torch.Tensor,
     global_present: list[bool],
+    *,
+    pending_is_kept: bool = False,
 ) -> None:
     """Give every shard view that got a gradient on any rank its piece of ``pending``.
 
     ``piece_of(i)``: parameter ``i``'s piece of ``pending``. Views of ``pending`` when the
     pieces cover all of it (no padding, no frozen or absent parameter's slot): a copy per
     parameter would cost a pass over the gradient and hold nothing less. Otherwise copies,
-    so that no dead slot outlives the step. A gradient already there is added to.
+    so that no dead slot outlives the step, unless ``pending_is_kept``: it lies in a
+    buffer kept from step to step anyway ([Note: reusing the data-parallel gradient
+    buffer]), so views hold nothing more. A gradient already there is added to.
     """
     pieces = [piece_of(i) if present else None for i, present in enumerate(global_present)]
-    as_views = _pieces_cover(shard_params, pieces, pending)
+    given = [param for param, piece in zip(shard_params, pieces, strict=True) if piece is not None]
+    accumulating = any(param.grad is not None for param in given)
+    as_views = not accumulating and (pending_is_kept or _pieces_cover(pieces, pending))
     for param, grad in zip(shard_params, pieces, strict=True):
         if grad is None:
             continue
@@ -60,14 +66,5 @@ def assign_reduced(
             param.grad.add_(grad)
 
 
-def _pieces_cover(
-    shard_params: list[nn.Parameter], pieces: list[torch.Tensor | None], pending: torch.Tensor
-) -> bool:
-    given = [
-        (param, piece)
-        for param, piece in zip(shard_params, pieces, strict=True)
-        if piece is not None
-    ]
-    if any(param.grad is not None for param, _ in given):
-        return False  # accumulating onto earlier gradients: views would leave dead slots
-    return sum(piece.numel() for _, piece in given) == pending.numel()
+def _pieces_cover(pieces: list[torch.Tensor | None], pending: torch.Tensor) -> bool:
+    return sum(piece.numel() for piece in pieces if piece is not None) == pending.numel()

@@ -71,7 +71,11 @@ def _expected_memory(strategy: str, model, rank: int) -> dict[str, int]:
         if keeps_full
         else 0,
         "param_shards": sum(FP32_BYTES * h.layout.shard_numel for h in handles),
-        "grads": FP32_BYTES * sum(trainable),
+        # NO_SHARD: every gradient is a view of its unit's kept buffer, which holds the
+        # unit's padded flat gradient (a frozen parameter's slot included).
+        "grads": FP32_BYTES * sum(h.layout.padded_numel for h in handles)
+        if strategy == "NO_SHARD"
+        else FP32_BYTES * sum(trainable),
         "optimizer_state": sum(2 * FP32_BYTES * n + ADAM_STEP_BYTES for n in trainable),
     }
 

@@ -59,3 +59,18 @@ def test_assign_copies_when_a_slot_is_dead_and_adds_to_existing_grads() -> None:
     assert torch.equal(params[2].grad, pending[10:13])
     assign_reduced(params, _pieces(pending, layout), pending, [True, False, True])
     assert torch.equal(params[2].grad, 2 * pending[10:13])  # accumulated
+
+
+def test_assign_hands_out_views_of_a_kept_buffer_despite_a_dead_slot() -> None:
+    layout = FlatLayout.build(SHAPES, num_shards=1)
+    pending = torch.arange(13, dtype=torch.float32)
+    params = [nn.Parameter(torch.zeros(shape)) for _, shape, _ in SHAPES]
+    present = [True, False, True]
+    assign_reduced(params, _pieces(pending, layout), pending, present, pending_is_kept=True)
+    assert params[1].grad is None
+    assert params[0].grad.untyped_storage().data_ptr() == pending.data_ptr()  # a view
+    assert torch.equal(params[2].grad, pending[10:13])
+    later = torch.ones(13)  # a second reduction before the optimizer step
+    assign_reduced(params, _pieces(later, layout), later, present, pending_is_kept=True)
+    assert torch.equal(params[2].grad, pending[10:13])  # added to the same storage
+    assert torch.equal(pending[10:13], torch.tensor([11.0, 12.0, 13.0]))
