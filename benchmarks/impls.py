@@ -166,7 +166,7 @@ def _shardwrap(
     *,
     check_collectives: bool = False,
     all_gather_bucket_bytes: int = 0,
-    reduce_bucket_bytes: int = 0,
+    reduce_bucket_bytes: int | None = None,
     persistence_threshold: int = 0,
     forward_prefetch: bool = True,
     posts_on_helper: bool = True,
@@ -191,7 +191,7 @@ def _shardwrap(
         # The hang-diagnosis debug mode, to measure what it costs (off by default).
         wrapped.set_collective_checks(check_collectives)
         wrapped.set_all_gather_bucket_size(all_gather_bucket_bytes)  # experiments; 0 = off
-        if reduce_bucket_bytes:
+        if reduce_bucket_bytes is not None:  # experiments; None = the library's default
             wrapped.set_reduce_bucket_size(reduce_bucket_bytes)
         return ShardwrapTrainer(wrapped)
 
@@ -297,12 +297,12 @@ IMPLS: dict[str, ImplSpec] = {
             )
             for strategy, stage in (("FULL_SHARD", 3), ("SHARD_GRAD_OP", 2), ("SHARD_OPTIM", 1))
         ),
-        # DDP's default bucket (25 MiB) for the data-parallel all-reduces.
+        # One all-reduce per unit, overlapping backward (the default before 25 MiB buckets).
         ImplSpec(
-            "sw_no_shard_b25",
+            "sw_no_shard_per_unit",
             "shardwrap",
             0,
-            _shardwrap("NO_SHARD", reduce_bucket_bytes=25 << 20),
+            _shardwrap("NO_SHARD", reduce_bucket_bytes=0),
         ),
         # Half of the 5m model per bucket: two all-reduces, the first overlapping backward.
         ImplSpec(
@@ -347,6 +347,6 @@ EXPERIMENTS = (
     "sw_full_shard_inline_posts",
     "sw_shard_grad_op_inline_posts",
     "sw_shard_optim_inline_posts",
-    "sw_no_shard_b25",
+    "sw_no_shard_per_unit",
     "sw_no_shard_b12",
 )

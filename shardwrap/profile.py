@@ -14,7 +14,10 @@ Every handle talks through a :class:`~shardwrap.collectives.Communicator` that w
 the root's ledger, and every collective a handle issues carries its unit's name, so every
 record says which unit issued it. The
 root module's unit is shown as ``"(root)"``; root-wide traffic that belongs to no single
-unit (the gradient-presence vote) keeps the empty label, shown as ``"(all units)"``.
+unit (the gradient-presence vote) keeps the empty label, shown as ``"(all units)"``. A
+reduce bucket ([Note: reduce buckets]) is one collective for several units, recorded
+once under a label that names its first and last units and their number
+(``"layers.1..(root) (3 units)"``).
 """
 
 from __future__ import annotations

@@ -78,6 +78,11 @@ _NOT_REDUCED = (TrainingState.FORWARD, TrainingState.BACKWARD)
 # [Note: reductions in flight].
 MAX_SHARDED_REDUCES_IN_FLIGHT = 1
 
+# Bucket budget of data-parallel units (in-place all-reduces) unless
+# ``set_reduce_bucket_size`` says otherwise: DDP's ``bucket_cap_mb``. Sharded units reduce
+# alone by default. See [Note: default reduce buckets] in bucketing.py.
+DEFAULT_IN_PLACE_BUCKET_BYTES = 25 << 20
+
 
 class Schedule:
     """Prefetch and reduction-overlap decisions for one root's units."""
@@ -87,7 +92,9 @@ class Schedule:
     ) -> None:
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
-        self.reduce_bucket_bytes = 0  # 0: each unit reduces alone; see [Note: reduce buckets]
+        # Set by set_reduce_bucket_size (0: each unit reduces alone); None: the default,
+        # see [Note: default reduce buckets] and [Note: reduce buckets].
+        self.reduce_bucket_bytes: int | None = None
         self.all_gather_bucket_bytes = 0  # 0: each unit gathers alone; [Note: all-gather buckets]
         self.previous_forward_order: list[Unit] = []  # the last completed step's order
         self._reducing: list[FlatParamHandle] = []  # reductions issued and not yet waited
@@ -168,7 +175,7 @@ class Schedule:
     def reduce_after_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
         """Issue the reduction of ``unit``, whose backward just ended."""
         upcoming: list[FlatParamHandle] = []
-        if self.reduce_bucket_bytes > 0:
+        if self.bucket_budget(unit.handle) > 0:  # type: ignore[arg-type]
             later = _backward_next(unit, execution_order, _NOT_REDUCED)
             upcoming = [u.handle for u in later if u.handle is not None]
         self.start_reduce(unit.handle, upcoming)  # type: ignore[arg-type]
@@ -181,21 +188,26 @@ class Schedule:
         ``upcoming``: the handles whose reductions come next, in order (plans in-place
         buckets, see [Note: in-place buckets]).
         """
-        if self.reduce_bucket_bytes <= 0:
+        if self._bucket.handles and not self._bucket.accepts(handle):
+            self.flush_bucket()
+        budget = self.bucket_budget(handle)
+        if budget <= 0:
             if not reduces_in_place(handle):
                 self._wait_for_sharded_room()
             handle.start_reduce_grads(self.scratch)
             self._reducing.append(handle)
             return
-        if self._bucket.handles and not self._bucket.accepts(handle):
-            self.flush_bucket()
         if not self._bucket.handles:
-            self._bucket = ReduceBucket.opened_by(
-                handle, list(upcoming), self.reduce_bucket_bytes, self._slot_buffer
-            )
+            self._bucket = ReduceBucket.opened_by(handle, list(upcoming), budget, self._slot_buffer)
         self._bucket.add(handle)
-        if self._bucket.is_full(self.reduce_bucket_bytes):
+        if self._bucket.is_full(budget):
             self.flush_bucket()
+
+    def bucket_budget(self, handle: FlatParamHandle) -> int:
+        """The reduce bucket budget, in bytes, for ``handle`` (0: it reduces alone)."""
+        if self.reduce_bucket_bytes is not None:
+            return self.reduce_bucket_bytes
+        return DEFAULT_IN_PLACE_BUCKET_BYTES if reduces_in_place(handle) else 0
 
     def _slot_buffer(self, plan: tuple[FlatParamHandle, ...]) -> ReusableGradBuffer:
         buffer = self.bucket_slots.get(plan) or self._bucket_slots_kept.get(plan)

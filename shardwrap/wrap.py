@@ -237,7 +237,10 @@ class ShardedModule(nn.Module):
 
         Fewer, larger collectives (like DDP's buckets and DeepSpeed's
         ``reduce_bucket_size``), at the cost of holding up to ``num_bytes`` of flat
-        gradients until their bucket is reduced. See [Note: reduce buckets].
+        gradients until their bucket is reduced. See [Note: reduce buckets]. Without a
+        call, data-parallel units (``NO_SHARD``, persistent units) use 25 MiB buckets and
+        sharded units reduce alone ([Note: default reduce buckets]); a call sets the
+        budget of both.
         """
         self._runtime.schedule.reduce_bucket_bytes = check_bucket_bytes(num_bytes)
 

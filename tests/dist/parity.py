@@ -25,7 +25,7 @@ class Case:
     forward_prefetch: bool = False
     backward_prefetch: str | None = "BACKWARD_PRE"
     keep_root_gathered: bool = False  # set_reshard_after_forward(False) on the root
-    reduce_bucket_bytes: int = 0  # set_reduce_bucket_size
+    reduce_bucket_bytes: int | None = None  # set_reduce_bucket_size; None: the default
     param_persistence_threshold: int = 0  # units under this many elements stay whole
     all_gather_bucket_bytes: int = 0  # set_all_gather_bucket_size
 
@@ -80,7 +80,8 @@ def wrap_case(model: nn.Module, case: Case) -> shardwrap.ShardedModule:
     )
     if case.keep_root_gathered:
         sharded.set_reshard_after_forward(False)
-    sharded.set_reduce_bucket_size(case.reduce_bucket_bytes)
+    if case.reduce_bucket_bytes is not None:
+        sharded.set_reduce_bucket_size(case.reduce_bucket_bytes)
     sharded.set_all_gather_bucket_size(case.all_gather_bucket_bytes)
     return sharded
 

@@ -84,6 +84,26 @@ def test_an_arrival_out_of_plan_closes_the_bucket() -> None:
         assert result["h0_h2_share"]
 
 
+def _default_worker(rank: int, world_size: int, strategy: str) -> dict:
+    model = shardwrap.ShardedModule(
+        build_model("mlp"), sharding_strategy=strategy, auto_wrap_policy=wrap_policy("mlp")
+    )
+    models.mlp_loss(model, models.mlp_batch(rank)).backward()
+    ledger = model.comm_ledger
+    return {
+        "num_handles": sum(u.handle is not None for u in model.units),
+        "reductions": ledger.count("all_reduce", "grads") + ledger.count("reduce_scatter", "grads"),
+    }
+
+
+def test_only_data_parallel_units_bucket_by_default() -> None:
+    # [Note: default reduce buckets]: the MLP's units fit one 25 MiB bucket.
+    for result in run_ranks(_default_worker, 2, "NO_SHARD"):
+        assert result["reductions"] == 1
+    for result in run_ranks(_default_worker, 2, "FULL_SHARD"):
+        assert result["reductions"] == result["num_handles"] == 4
+
+
 def _issue_wait_worker(rank: int, world_size: int, strategy: str) -> dict:
     model = shardwrap.ShardedModule(
         build_model("mlp"), sharding_strategy=strategy, auto_wrap_policy=wrap_policy("mlp")

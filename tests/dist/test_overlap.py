@@ -15,6 +15,7 @@ SCHEDULES = [
     {"forward_prefetch": True, "backward_prefetch": "BACKWARD_POST"},
     {"forward_prefetch": False, "backward_prefetch": None},
     {"forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE", "keep_root_gathered": True},
+    {"reduce_bucket_bytes": 0},  # every unit alone (the defaults bucket NO_SHARD's units)
     {"reduce_bucket_bytes": 40_000},  # a block and a half per bucket: mixed bucket sizes
     {"reduce_bucket_bytes": 1 << 30, "forward_prefetch": True},  # everything in one bucket
 ]

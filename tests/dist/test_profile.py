@@ -7,7 +7,7 @@ The expected numbers are derived from each unit's ``FlatLayout`` alone:
   backward; the ledger counts each collective's full buffer), except once for the unit
   that ran last in forward, which stays gathered into backward; it reduce-scatters each
   padded flat gradient once. SHARD_GRAD_OP and SHARD_OPTIM gather once; NO_SHARD only
-  all-reduces the flat gradient.
+  all-reduces the flat gradients, all units in one bucket.
 * Model state per rank is 4 bytes per shard element (padding included) for parameters,
   4 per owned trainable element for gradients and 8 for AdamW's two moments, plus one
   float32 ``step`` per parameter: 16 * P / N plus padding.
@@ -53,9 +53,19 @@ def _check_collectives(strategy: str, model, step: profile.StepProfile) -> None:
         gathered = step.bytes("all_gather", "params", unit=label)
         gathers = GATHERS_PER_STEP[strategy] - (strategy == "FULL_SHARD" and handle is last)
         assert gathered == gathers * padded_bytes, (label, gathered)
-        kind = "all_reduce" if strategy == "NO_SHARD" else "reduce_scatter"
-        assert step.bytes(kind, "grads", unit=label) == padded_bytes, (label, kind)
-        assert step.count(kind, "grads", unit=label) == 1
+        if strategy != "NO_SHARD":
+            assert step.bytes("reduce_scatter", "grads", unit=label) == padded_bytes, label
+            assert step.count("reduce_scatter", "grads", unit=label) == 1
+    if strategy == "NO_SHARD":
+        # [Note: default reduce buckets]: the units fit one bucket, recorded once under a
+        # label that names its first and last units.
+        all_padded = sum(FP32_BYTES * h.layout.padded_numel for _, h in handles)
+        assert step.bytes("all_reduce", "grads") == all_padded
+        assert step.count("all_reduce", "grads") == 1
+        labels = {s.unit for s in step.collectives if s.purpose == "grads"}
+        # backward order: the last block first, the root (reduced at the end) last
+        first, last = handles[-1][0], profile.ROOT_LABEL
+        assert labels == {f"{first}..{last} ({len(handles)} units)"}, labels
     num_params = sum(len(h.layout.params) for _, h in handles)
     vote = step.bytes("all_reduce", "grad_presence", unit=profile.SHARED_LABEL)
     assert vote == INT32_BYTES * num_params
@@ -71,8 +81,8 @@ def _expected_memory(strategy: str, model, rank: int) -> dict[str, int]:
         if keeps_full
         else 0,
         "param_shards": sum(FP32_BYTES * h.layout.shard_numel for h in handles),
-        # NO_SHARD: every gradient is a view of its unit's kept buffer, which holds the
-        # unit's padded flat gradient (a frozen parameter's slot included).
+        # NO_SHARD: every gradient is a view of the default bucket's kept buffer, which
+        # holds every unit's padded flat gradient (a frozen parameter's slot included).
         "grads": FP32_BYTES * sum(h.layout.padded_numel for h in handles)
         if strategy == "NO_SHARD"
         else FP32_BYTES * sum(trainable),
