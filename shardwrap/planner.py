@@ -49,9 +49,8 @@ from torch import nn
 
 from .layout import FlatLayout, padded_numel
 from .options import ShardingStrategy
-from .persistence import check_threshold, is_persistent
-from .policies import as_policy, select_units
-from .units import assign_params, collect_params
+from .persistence import check_threshold
+from .planner_sizes import ModelSizes, model_sizes
 
 STAGE_STRATEGIES = {
     0: ShardingStrategy.NO_SHARD,
@@ -98,19 +97,6 @@ class MemoryEstimate:
     @property
     def device_bytes(self) -> int:
         return self.bytes_at(Location.DEVICE)
-
-
-@dataclass(frozen=True, slots=True)
-class _UnitSizes:
-    layout: FlatLayout
-    nested: tuple[int, ...]  # indices of the units directly inside this one
-
-
-@dataclass(frozen=True, slots=True)
-class _ModelSizes:
-    units: tuple[_UnitSizes, ...]  # units[0] is the root
-    buffer_bytes: int
-    chain_numel: int | None = None  # the ZeRO-3 peak, when known without nesting
 
 
 def estimate_memory(
@@ -163,7 +149,7 @@ def estimate_memory(
     threshold = check_threshold(param_persistence_threshold)
     estimates = tuple(
         _estimate_one(
-            _sizes(
+            model_sizes(
                 model_or_num_params,
                 member,
                 world_size,
@@ -206,95 +192,13 @@ def _strategies(strategy: Any, stage: int | None) -> tuple[ShardingStrategy, ...
     return (member,)
 
 
-def _num_shards(strategy: ShardingStrategy, world_size: int) -> int:
-    return 1 if strategy is ShardingStrategy.NO_SHARD else world_size
-
-
-def _unit_layout(named: list[tuple[str, tuple[int, ...], bool]], num_shards: int, threshold: int):
-    """A unit's layout as ``ShardedModule`` builds it: one shard if it is persistent."""
-    numel = sum(torch.Size(shape).numel() for _, shape, _ in named)
-    return FlatLayout.build(named, 1 if is_persistent(numel, threshold) else num_shards)
-
-
-def _sizes(
-    source: nn.Module | int | float,
-    strategy: ShardingStrategy,
-    world_size: int,
-    auto_wrap_policy: Any,
-    largest_unit_params: int | None,
-    threshold: int = 0,
-) -> _ModelSizes:
-    num_shards = _num_shards(strategy, world_size)
-    if isinstance(source, nn.Module):
-        if largest_unit_params is not None:
-            raise ValueError("largest_unit_params: only for a parameter count, not a module")
-        return _module_sizes(source, num_shards, auto_wrap_policy, threshold)
-    if isinstance(source, bool) or not isinstance(source, (int, float)) or source < 1:
-        raise TypeError(
-            f"model_or_num_params: expected an nn.Module or a positive count, got {source!r}"
-        )
-    if auto_wrap_policy is not None:
-        raise ValueError("auto_wrap_policy: only for a module, not a parameter count")
-    return _count_sizes(int(source), num_shards, largest_unit_params, threshold)
-
-
-def _count_sizes(
-    num_params: int, num_shards: int, largest_unit_params: int | None, threshold: int = 0
-) -> _ModelSizes:
-    """A parameter count as two units: the largest one and the root holding the rest.
-
-    For ZeRO-3 the peak counts only the largest unit (a model whose root holds little).
-    """
-    largest = num_params if largest_unit_params is None else int(largest_unit_params)
-    if not 1 <= largest <= num_params:
-        raise ValueError(f"largest_unit_params: expected 1..{num_params}, got {largest}")
-    largest_layout = _unit_layout([("largest_unit", (largest,), True)], num_shards, threshold)
-    units = [_UnitSizes(largest_layout, ())]
-    if largest < num_params:
-        rest = _unit_layout([("rest", (num_params - largest,), True)], num_shards, threshold)
-        units = [_UnitSizes(rest, ()), units[0]]
-    return _ModelSizes(tuple(units), 0, chain_numel=largest_layout.padded_numel)
-
-
-def _module_sizes(
-    model: nn.Module, num_shards: int, auto_wrap_policy: Any, threshold: int = 0
-) -> _ModelSizes:
-    """Units exactly as ``ShardedModule`` builds them (same policy, same layouts)."""
-    unit_modules = [model, *select_units(model, as_policy(auto_wrap_policy), set())]
-    owned = assign_params(model, unit_modules[1:], collect_params(model, set(), set()))
-    layouts = [
-        _unit_layout(
-            [(r.fqn, tuple(r.param.shape), r.param.requires_grad) for r in owned[id(m)]],
-            num_shards,
-            threshold,
-        )
-        for m in unit_modules
-    ]
-    subtrees = [{id(s) for s in m.modules()} for m in unit_modules]
-    # Each unit's parent is the innermost other unit whose subtree holds its module.
-    parents = [None] + [
-        min(
-            (j for j in range(len(unit_modules)) if j != i and id(m) in subtrees[j]),
-            key=lambda j: len(subtrees[j]),
-        )
-        for i, m in enumerate(unit_modules)
-        if i > 0
-    ]
-    units = tuple(
-        _UnitSizes(layout, tuple(j for j, p in enumerate(parents) if p == i))
-        for i, layout in enumerate(layouts)
-    )
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return _ModelSizes(units, buffers)
-
-
 def _gathered_numel(layout: FlatLayout, e: _Bytes) -> int:
     """Elements a unit gathers: none when its one shard is the full tensor, uncast, in place."""
     separate = layout.num_shards > 1 or e.compute != e.master or e.device_copy
     return layout.padded_numel if separate else 0
 
 
-def _chain(sizes: _ModelSizes, index: int, e: _Bytes) -> tuple[int, frozenset[int]]:
+def _chain(sizes: ModelSizes, index: int, e: _Bytes) -> tuple[int, frozenset[int]]:
     """Gathered elements of the largest path of nested units from ``index`` down, its units."""
     unit = sizes.units[index]
     best: tuple[int, frozenset[int]] = (0, frozenset())
@@ -305,7 +209,7 @@ def _chain(sizes: _ModelSizes, index: int, e: _Bytes) -> tuple[int, frozenset[in
     return _gathered_numel(unit.layout, e) + best[0], best[1] | {index}
 
 
-def _zero3_peak(sizes: _ModelSizes, prefetch: bool, e: _Bytes) -> tuple[int, int]:
+def _zero3_peak(sizes: ModelSizes, prefetch: bool, e: _Bytes) -> tuple[int, int]:
     """(chain, the unit prefetched next to it) in elements."""
     if sizes.chain_numel is not None:  # a parameter count: the next unit is as large
         largest = _gathered_numel(sizes.units[-1].layout, e)
@@ -315,7 +219,7 @@ def _zero3_peak(sizes: _ModelSizes, prefetch: bool, e: _Bytes) -> tuple[int, int
     return chain, max(others, default=0) if prefetch else 0
 
 
-def _shard_numels(sizes: _ModelSizes, rank: int | None) -> tuple[int, int]:
+def _shard_numels(sizes: ModelSizes, rank: int | None) -> tuple[int, int]:
     """(shard elements, trainable elements in the shard) of ``rank`` (or the largest)."""
     num_shards = max(u.layout.num_shards for u in sizes.units)
     ranks = range(num_shards) if rank is None else [rank % num_shards]
@@ -342,7 +246,7 @@ class _Bytes:
 
 
 def _gathered(
-    sizes: _ModelSizes, strategy: ShardingStrategy, e: _Bytes, prefetch: bool
+    sizes: ModelSizes, strategy: ShardingStrategy, e: _Bytes, prefetch: bool
 ) -> tuple[int, str]:
     if all(_gathered_numel(u.layout, e) == 0 for u in sizes.units):
         return 0, "0 (one shard, no cast: the full buffer is the shard)"
@@ -361,7 +265,7 @@ def _gradients(strategy: ShardingStrategy, trainable: int, trainable_shard: int,
 
 
 def _estimate_one(
-    sizes: _ModelSizes,
+    sizes: ModelSizes,
     strategy: ShardingStrategy,
     world_size: int,
     elem: _Bytes,
