@@ -40,10 +40,12 @@ reduce in in-place buckets of 25 MiB by default, DDP's ``bucket_cap_mb``; sharde
 reduce alone, as FSDP's do, since their buckets concatenate. ``set_reduce_bucket_size``
 sets one budget for both (0: every unit alone). On the benchmark machine (2 ranks
 sharing 2 cores) an all-reduce overlapping backward saves no time, as there is no idle
-core for it to use, while each one costs its own round of messages and thread wake-ups:
-on the 5m model, whose seven units fit one bucket, the step went from 1.03-1.05 of DDP's
-time to 1.00-1.02 (phase timer, interleaved steps, two runs); on 30m (two blocks to a
-bucket) it stayed within 1 % of per-unit all-reduces.
+core for it to use, while each one costs its own round of messages and thread wake-ups.
+On the 5m model, whose seven units fit one bucket, the step went from 1.04-1.05 of DDP's
+time to 1.00-1.02 in the phase timer (interleaved steps, two runs), and from a median of
+1.05 to 1.035 in ``benchmarks/bench_step.py`` (five 30-round runs); on 30m (two blocks
+to a bucket) it stayed within the noise of per-unit all-reduces (benchmarks/RESULTS.md,
+run 13).
 """
 
 from __future__ import annotations
