@@ -40,15 +40,45 @@ class CommRecord:
         return factor * self.num_bytes * (self.group_size - 1) / self.group_size
 
 
+# Records a ledger keeps at most; see CommLedger.
+MAX_LEDGER_RECORDS = 10_000
+
+
 @dataclass
 class CommLedger:
-    """Append-only list of collectives; ``reset`` between measured steps."""
+    """The collectives issued, oldest first; ``reset`` between measured steps.
+
+    A training loop that never resets it must not grow it without end (every record is
+    memory, and an object the garbage collector walks), so once it holds more than
+    ``max_records`` the oldest records are dropped, half of them at a time: the last few
+    hundred steps of a typical model stay readable. ``num_recorded`` counts every record
+    ever made, dropped or not.
+    """
 
     records: list[CommRecord] = field(default_factory=list)
     time_collectives: bool = False  # note each collective's wall time (shardwrap.profile)
+    max_records: int = MAX_LEDGER_RECORDS
+    num_recorded: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_records, bool) or not isinstance(self.max_records, int):
+            raise TypeError(f"max_records: expected an int, got {self.max_records!r}")
+        if self.max_records < 2:
+            raise ValueError(f"max_records: expected at least 2, got {self.max_records}")
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
+        self.num_recorded += 1
+        if len(self.records) > self.max_records:
+            del self.records[: len(self.records) - self.max_records // 2]
+
+    def recorded_since(self, num_recorded: int) -> list[CommRecord]:
+        """The records made after ``num_recorded`` was read, as far as they are still kept."""
+        count = self.num_recorded - num_recorded
+        if count <= 0:
+            return []
+        # Fewer kept than made: some were dropped or reset away since; all that remain.
+        return self.records[-count:] if count <= len(self.records) else list(self.records)
 
     def note_elapsed(self, record: CommRecord, seconds: float) -> None:
         """Attach a wall time to ``record`` (a no-op if the ledger was reset meanwhile)."""

@@ -159,7 +159,7 @@ def profile_step(model: ShardedModule) -> Iterator[StepProfile]:
     ledger = model.comm_ledger
     previous_timing = ledger.time_collectives
     ledger.time_collectives = True
-    first = len(ledger.records)
+    first = ledger.num_recorded
     result = StepProfile()
     start = time.perf_counter()
     try:
@@ -167,10 +167,7 @@ def profile_step(model: ShardedModule) -> Iterator[StepProfile]:
     finally:
         result.wall_s = time.perf_counter() - start
         ledger.time_collectives = previous_timing
-        # A ledger reset inside the block drops the earlier records: keep all that remain.
-        result.collectives = summarize(
-            ledger.records[first if len(ledger.records) >= first else 0 :]
-        )
+        result.collectives = summarize(ledger.recorded_since(first))
 
 
 def summarize(records) -> list[CollectiveStats]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardwrap import profile
@@ -69,3 +70,40 @@ def test_summarize_groups_by_unit_kind_purpose() -> None:
     assert step.bytes("all_gather") == 16
     assert step.by_kind()["all_reduce"] == (1, 4, 0.125)
     assert "grad_presence" in step.table()
+
+
+def _numbered(index: int) -> CommRecord:
+    return CommRecord("all_reduce", "grads", index, 2)
+
+
+def test_ledger_drops_its_oldest_records_past_its_bound() -> None:
+    ledger = CommLedger(max_records=10)
+    for index in range(25):
+        ledger.record(_numbered(index))
+    kept = [r.num_bytes for r in ledger.records]
+    assert len(kept) <= 10
+    assert kept == list(range(25 - len(kept), 25))  # the newest, oldest first
+    assert ledger.num_recorded == 25
+
+
+def test_recorded_since_survives_drops_and_resets() -> None:
+    ledger = CommLedger(max_records=10)
+    for index in range(8):
+        ledger.record(_numbered(index))
+    mark = ledger.num_recorded
+    for index in range(8, 12):  # crosses the bound: the oldest records go
+        ledger.record(_numbered(index))
+    assert [r.num_bytes for r in ledger.recorded_since(mark)] == [8, 9, 10, 11]
+    mark = ledger.num_recorded
+    ledger.record(_numbered(12))
+    ledger.reset()
+    ledger.record(_numbered(13))
+    assert [r.num_bytes for r in ledger.recorded_since(mark)] == [13]  # all that remain
+    assert ledger.recorded_since(ledger.num_recorded) == []
+
+
+def test_ledger_bound_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_records"):
+        CommLedger(max_records=1)
+    with pytest.raises(TypeError, match="max_records"):
+        CommLedger(max_records=2.5)  # type: ignore[arg-type]
