@@ -35,6 +35,12 @@ from benchmarks.worker import WorkerConfig, run  # noqa: E402
 READY_TIMEOUT_S = 900.0  # twenty processes importing torch and building models on 2 cores
 STEP_TIMEOUT_S = 600.0
 DEFAULT_IMPLS = [i for i in IMPLS if i not in EXPERIMENTS]
+# glibc's malloc moves its mmap and trim thresholds up to the largest block a process has
+# freed, so whether a worker's heap hands freed memory back to the kernel every step (and
+# takes a page fault per 4 KiB to get it back) depends on the history of its frees, not
+# on the work its implementation does (benchmarks/RESULTS.md, run 13). --fixed-malloc
+# pins both thresholds in every worker, for every implementation alike.
+FIXED_MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=134217728"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help="comma list")
     parser.add_argument("--quick", action="store_true", help="--sizes 5m --steps 3 --warmup 1")
     parser.add_argument("--out", default="benchmarks/out", help="folder for JSON and PNG")
+    parser.add_argument(
+        "--fixed-malloc",
+        action="store_true",
+        help="pin glibc's mmap and trim thresholds in every worker (FIXED_MALLOC_TUNABLES)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.steps, args.warmup = "5m", 3, 1
@@ -188,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             print(f"note: skipping DeepSpeed ({why}); install the 'bench' extra", flush=True)
             impls = [i for i in impls if IMPLS[i].family != "deepspeed"]
+    if args.fixed_malloc:  # read when a process starts: set before the forkserver exists
+        os.environ["GLIBC_TUNABLES"] = FIXED_MALLOC_TUNABLES
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "benchmarks.worker"])
     os.makedirs(args.out, exist_ok=True)
