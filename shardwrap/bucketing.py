@@ -89,7 +89,7 @@ class ReduceBucket:
 
         ``slot_buffer_for``: the buffer kept for an in-place plan, which lends its slots.
         """
-        if not reduces_in_place(handle):
+        if not handle.reduces_in_place:
             return cls()
         plan = [handle]
         planned_bytes = _flat_grad_bytes(handle)
@@ -157,24 +157,19 @@ class ReduceBucket:
     def finish(self) -> None:
         """Wait, then hand each member its part."""
         self._work.wait()
-        replicate_done = reduces_in_place(self.handles[0])
+        in_place = self.in_place  # every in-place handle's bucket is; cleared below
         offset = 0
         for handle, grad in zip(self.handles, self.grads, strict=True):
             numel = grad.numel() // handle.num_shards
             part = self._output[offset : offset + numel]
             # A slot is the member's own memory; a part of a concatenation would keep the
             # whole bucket alive.
-            if self._slots is None:
+            if not in_place:
                 part = part.clone()
-            handle.accept_reduced(part, replicate_done=replicate_done)
+            handle.accept_reduced(part, replicate_done=in_place)
             offset += numel
         self._input = self._output = self._work = self._slots = None
         self.grads.clear()
-
-
-def reduces_in_place(handle: FlatParamHandle) -> bool:
-    """Whether ``handle``'s reduction is an all-reduce in place (no memory of its own)."""
-    return handle.num_shards == 1 and handle.replicate_comm is not None
 
 
 def _compatible(first: FlatParamHandle, handle: FlatParamHandle) -> bool:

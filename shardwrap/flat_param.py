@@ -142,8 +142,6 @@ class FlatParamHandle:
         self._gathered_version: int | None = None  # flat_shard._version at the last gather
         # Reduced gradient of this backward, waiting for the presence vote (1D, shard_numel).
         self.pending_grad_shard: torch.Tensor | None = None
-        # Whether it is (part of) a data-parallel buffer kept between steps, not a copy.
-        self._pending_is_kept = False
         self.local_grad_present = [False] * len(params)
         self._gather_work: Any = None  # an all-gather issued ahead (prefetch), not yet waited
         self._gather_input: torch.Tensor | None = None  # its input, alive until it is done
@@ -159,6 +157,11 @@ class FlatParamHandle:
     @property
     def num_shards(self) -> int:
         return self.layout.num_shards
+
+    @property
+    def reduces_in_place(self) -> bool:
+        """Whether the gradient reduction is one all-reduce in place (plain data parallel)."""
+        return self.num_shards == 1 and self.replicate_comm is not None
 
     @property
     def data_parallel_size(self) -> int:
@@ -326,8 +329,7 @@ class FlatParamHandle:
         ``scratch``: where a sharded unit's flat gradient (the reduce-scatter's input) comes
         from; a new buffer when None.
         """
-        if self.num_shards == 1 and self.replicate_comm is not None:
-            # Plain data parallel: the all-reduce is the first (and only) stage.
+        if self.reduces_in_place:  # the all-reduce is the first (and only) stage
             flat_grad = self.take_local_grads(self._dp_grad_buffer())
             work = self.replicate_comm.all_reduce(flat_grad, purpose="grads", unit=self.comm_label)
             self._reductions.append(_Reduction(work, flat_grad, flat_grad, replicate_done=True))
@@ -378,16 +380,13 @@ class FlatParamHandle:
         """Finish a reduction of this rank's shard (1D, shard_numel): replicas, scale, add."""
         if self.replicate_comm is not None and not replicate_done:
             self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
-        scaled = reduced.to(self.dtype).div_(self.data_parallel_size)
-        # An in-place all-reduce reduced a kept buffer; it still is one unless cast here.
-        kept = replicate_done and scaled is reduced
+        reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
         if self.host_staging is not None:  # the optimizer steps on the host
-            scaled, kept = self.host_staging.to_host(scaled), False
+            reduced = self.host_staging.to_host(reduced)
         if self.pending_grad_shard is None:
-            self.pending_grad_shard = scaled
-            self._pending_is_kept = kept
+            self.pending_grad_shard = reduced
         else:
-            self.pending_grad_shard.add_(scaled)
+            self.pending_grad_shard.add_(reduced)
 
     @property
     def reduce_in_flight(self) -> bool:
@@ -414,7 +413,13 @@ class FlatParamHandle:
                 global_present,
                 pending_is_kept=self._pending_is_kept,
             )
-        self._pending_is_kept = False
+
+    @property
+    def _pending_is_kept(self) -> bool:
+        # The pending gradient is (part of) a data-parallel buffer kept between steps: an
+        # in-place all-reduce's output, neither cast to the master dtype nor staged to host.
+        uncast = self.reduce_dtype == self.dtype
+        return self.reduces_in_place and uncast and self.host_staging is None
 
     def late_grad_names(self) -> list[str]:
         """Parameters whose local gradient arrived after this unit was reduced."""

@@ -64,7 +64,7 @@ import itertools
 from collections.abc import Sequence
 
 from . import gather_bucket
-from .bucketing import ReduceBucket, reduces_in_place
+from .bucketing import ReduceBucket
 from .flat_param import FlatParamHandle
 from .grad_buffer import ReusableGradBuffer, ScratchPool
 from .hooks import TrainingState, Unit
@@ -192,7 +192,7 @@ class Schedule:
             self.flush_bucket()
         budget = self.bucket_budget(handle)
         if budget <= 0:
-            if not reduces_in_place(handle):
+            if not handle.reduces_in_place:
                 self._wait_for_sharded_room()
             handle.start_reduce_grads(self.scratch)
             self._reducing.append(handle)
@@ -207,7 +207,7 @@ class Schedule:
         """The reduce bucket budget, in bytes, for ``handle`` (0: it reduces alone)."""
         if self.reduce_bucket_bytes is not None:
             return self.reduce_bucket_bytes
-        return DEFAULT_IN_PLACE_BUCKET_BYTES if reduces_in_place(handle) else 0
+        return DEFAULT_IN_PLACE_BUCKET_BYTES if handle.reduces_in_place else 0
 
     def _slot_buffer(self, plan: tuple[FlatParamHandle, ...]) -> ReusableGradBuffer:
         buffer = self.bucket_slots.get(plan) or self._bucket_slots_kept.get(plan)
@@ -226,7 +226,7 @@ class Schedule:
 
     def _wait_for_sharded_room(self) -> None:
         # Oldest first, so every rank waits (and issues replica all-reduces) alike.
-        sharded = [h for h in self._reducing if not reduces_in_place(h)]
+        sharded = [h for h in self._reducing if not h.reduces_in_place]
         while len(sharded) >= self.max_sharded_reduces_in_flight:
             oldest = sharded.pop(0)
             oldest.finish_reduce_grads()
