@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import at_exit, pairwise
+from .options import check_int
 
 ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")
 
@@ -61,10 +62,7 @@ class CommLedger:
     num_recorded: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_records, bool) or not isinstance(self.max_records, int):
-            raise TypeError(f"max_records: expected an int, got {self.max_records!r}")
-        if self.max_records < 2:
-            raise ValueError(f"max_records: expected at least 2, got {self.max_records}")
+        check_int("max_records", self.max_records, minimum=2)
 
     def record(self, record: CommRecord) -> None:
         self.records.append(record)
