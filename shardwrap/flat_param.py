@@ -103,6 +103,8 @@ class FlatParamHandle:
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
         self.sites = sites
+        # Fixed at wrap time, as the layout's flags are; a unit with none never reduces.
+        self.has_trainable_params = any(info.requires_grad for info in layout.params)
         self.state = ShardedState.UNSHARDED
         dtype, device = params[0].dtype, params[0].device
         self.dtype = dtype  # the shard's (master) dtype

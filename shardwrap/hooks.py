@@ -8,6 +8,16 @@ work). A unit whose inputs need no gradient (the embedding at the bottom of a mo
 never triggers that node; the end-of-backward callback reduces it instead. Both paths
 depend only on the graph's structure, so every rank issues its reductions in the same
 order.
+
+[Note: frozen units]
+A unit whose parameters all have ``requires_grad=False`` (the flags are fixed at wrap
+time) gets no gradient on any rank, so it issues no reduction, holds no gradient buffer
+and has no place in a reduce bucket's plan. Backward still runs through it when its
+inputs need gradients (frozen blocks above trainable ones) and gathers it for that; one
+whose outputs need none (a frozen embedding at the bottom) is never reached by backward,
+so it is not prefetched for it either. A unit that mixes frozen and trainable parameters
+reduces its whole flat gradient, zeros in the frozen slots, as the slots are part of the
+layout every rank shares.
 """
 
 from __future__ import annotations
@@ -55,6 +65,9 @@ class Unit:
         self.forward_depth = 0
         # None: the strategy decides; True/False: set_reshard_after_forward overrides it.
         self.reshard_after_forward_override: bool | None = None
+        # Whether an output of this step's forward needs a gradient, so that backward
+        # will reach the unit (and gather it): only such units are prefetched for backward.
+        self.expects_backward = False
         self._hook_handles: list[Any] = []
 
     def __repr__(self) -> str:
@@ -71,7 +84,11 @@ class Unit:
         runtime.schedule.after_pre_forward(self)
         if self.state is TrainingState.IDLE:
             self.state = TrainingState.FORWARD
-        if torch.is_grad_enabled() and self._has_trainable_params():
+            self.expects_backward = False
+        if torch.is_grad_enabled() and self.handle is not None:
+            _check_requires_grad(self.handle)
+            # A frozen unit's inputs may still need gradients (a frozen block above
+            # trainable ones): its post-backward then frees it as soon as it is done.
             args, kwargs = _attach_post_backward(self, args, kwargs)
         return args, kwargs
 
@@ -85,8 +102,8 @@ class Unit:
                 self.handle.reshard(free=self.strategy.free_after_backward)
             elif self.strategy.reduces_at_step:
                 self.handle.reshard(free=False)
-        if training:
-            _register_pre_backward(self, output)
+        if training and _register_pre_backward(self, output):
+            self.expects_backward = True
         return output
 
     def pre_backward(self, grad: torch.Tensor) -> None:
@@ -111,7 +128,9 @@ class Unit:
         runtime = self._runtime()
         handle = self.handle
         if handle is not None:
-            if runtime.sync_grads:  # ZeRO-1 too: see [Note: ZeRO-1 reduces in backward]
+            # ZeRO-1 too: see [Note: ZeRO-1 reduces in backward]. A frozen unit has nothing
+            # to reduce on any rank (see [Note: frozen units]).
+            if runtime.sync_grads and handle.has_trainable_params:
                 runtime.schedule.reduce_after_backward(self, runtime.execution_order)
             handle.reshard(free=self.strategy.free_after_backward)
         self.state = TrainingState.BACKWARD_DONE
@@ -129,9 +148,6 @@ class Unit:
         if self.runtime is None:
             raise RuntimeError(f"unit {self.name!r} is not attached to a ShardedModule root")
         return self.runtime
-
-    def _has_trainable_params(self) -> bool:
-        return self.handle is not None and any(i.requires_grad for i in self.handle.layout.params)
 
     def register(self) -> None:
         """Install this unit's forward hooks on its module."""
@@ -173,11 +189,26 @@ def _attach_post_backward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple,
     return tree_unflatten(leaves, spec)
 
 
-def _register_pre_backward(unit: Unit, output: Any) -> None:
+def _register_pre_backward(unit: Unit, output: Any) -> bool:
+    """Hook the outputs that need a gradient; whether there was any."""
     leaves, _ = tree_flatten(output)
+    hooked = False
     for x in leaves:
         if isinstance(x, torch.Tensor) and x.requires_grad:
             x.register_hook(_PreBackwardHook(unit))
+            hooked = True
+    return hooked
+
+
+def _check_requires_grad(handle: FlatParamHandle) -> None:
+    # The flags are part of the layout (which slots reduce, what the optimizer holds), so
+    # a change after wrapping would be silently ignored: a frozen parameter kept training.
+    for info, param in zip(handle.layout.params, handle.shard_params, strict=True):
+        if param.requires_grad != info.requires_grad:
+            raise RuntimeError(
+                f"{info.fqn}: requires_grad changed to {param.requires_grad} after "
+                "ShardedModule wrapped the model; set requires_grad before wrapping"
+            )
 
 
 class _PreBackwardHook:

@@ -189,7 +189,11 @@ class StepRuntime:
         if not self.deferred_grads_pending:
             return
         self.deferred_grads_pending = False
-        units = [u for u in self.units if u.strategy.reduces_at_step and u.handle is not None]
+        units = [
+            u
+            for u in self.units
+            if u.strategy.reduces_at_step and u.handle is not None and u.handle.has_trainable_params
+        ]
         # Backward order, as ZeRO-2/3 reduce, so buckets fill the same way.
         self.schedule.reduce_all([u.handle for u in reversed(units)])  # type: ignore[misc]
         self.vote_and_assign(units)

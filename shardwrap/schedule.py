@@ -143,7 +143,7 @@ class Schedule:
             self._prefetch_next_backward(unit, execution_order)
 
     def _prefetch_next_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
-        upcoming = _backward_next(unit, execution_order)
+        upcoming = _reached_by_backward(_backward_next(unit, execution_order))
         if upcoming:
             self._prefetch(upcoming[0], upcoming[1:])
 
@@ -161,7 +161,7 @@ class Schedule:
 
     def before_backward_unshard(self, unit: Unit, execution_order: list[Unit]) -> None:
         """Gather ``unit`` with the units whose backward comes next (if bucketing)."""
-        self._gather_bucket(unit, _backward_next(unit, execution_order))
+        self._gather_bucket(unit, _reached_by_backward(_backward_next(unit, execution_order)))
 
     def _gather_bucket(self, unit: Unit, upcoming: list[Unit]) -> None:
         if self.all_gather_bucket_bytes <= 0 or not gather_bucket.needs_gather(unit.handle):
@@ -177,7 +177,8 @@ class Schedule:
         upcoming: list[FlatParamHandle] = []
         if self.bucket_budget(unit.handle) > 0:  # type: ignore[arg-type]
             later = _backward_next(unit, execution_order, _NOT_REDUCED)
-            upcoming = [u.handle for u in later if u.handle is not None]
+            # [Note: frozen units]: those never reduce, so a plan must not wait for them
+            upcoming = [u.handle for u in later if u.handle and u.handle.has_trainable_params]
         self.start_reduce(unit.handle, upcoming)  # type: ignore[arg-type]
 
     def start_reduce(
@@ -283,3 +284,8 @@ def _backward_next(
     enclosing unit, the root), which reduce after ``unit``.
     """
     return [u for u in reversed(execution_order) if u is not unit and u.state in states]
+
+
+def _reached_by_backward(units: list[Unit]) -> list[Unit]:
+    """The ``units`` that backward will gather: see [Note: frozen units] in hooks.py."""
+    return [u for u in units if u.expects_backward]

@@ -28,6 +28,7 @@ class Case:
     reduce_bucket_bytes: int | None = None  # set_reduce_bucket_size; None: the default
     param_persistence_threshold: int = 0  # units under this many elements stay whole
     all_gather_bucket_bytes: int = 0  # set_all_gather_bucket_size
+    frozen: tuple[str, ...] = ()  # submodules whose parameters are frozen before wrapping
 
 
 def build_model(kind: str) -> nn.Module:
@@ -113,6 +114,8 @@ def check_shards(
 
 def train_and_compare(rank: int, world_size: int, case: Case) -> list[float]:
     model = build_model(case.model)
+    for name in case.frozen:
+        model.get_submodule(name).requires_grad_(False)
     reference = copy.deepcopy(model)
     sharded = wrap_case(model, case)
     optim = make_optimizer(sharded, case.optimizer)
