@@ -41,7 +41,7 @@ from .collectives import ROOT_LABEL, Communicator
 from .grad_buffer import ReusableGradBuffer, ScratchPool
 from .grad_transfer import assign_reduced, flatten_local_grads
 from .host_offload import HostStaging, StagedShard
-from .layout import FlatLayout
+from .layout import FlatLayout, GradSlots
 from .mixed_precision import HandlePrecision
 from .options import ShardingStrategy
 
@@ -105,6 +105,10 @@ class FlatParamHandle:
         self.sites = sites
         # Fixed at wrap time, as the layout's flags are; a unit with none never reduces.
         self.has_trainable_params = any(info.requires_grad for info in layout.params)
+        # Where local gradients go before the reduction: [Note: packed gradients]
+        self.grad_slots = (
+            GradSlots.packed(layout) if self.reduces_in_place else GradSlots.along(layout)
+        )
         self.state = ShardedState.UNSHARDED
         dtype, device = params[0].dtype, params[0].device
         self.dtype = dtype  # the shard's (master) dtype
@@ -376,7 +380,7 @@ class FlatParamHandle:
     @property
     def flat_grad_numel(self) -> int:
         """Elements of the flat gradient :meth:`take_local_grads` returns (padded)."""
-        return self.flat_full.numel()
+        return self.grad_slots.numel
 
     def accept_reduced(self, reduced: torch.Tensor, *, replicate_done: bool) -> None:
         """Finish a reduction of this rank's shard (1D, shard_numel): replicas, scale, add."""
@@ -397,8 +401,8 @@ class FlatParamHandle:
     def _flatten_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         flat_grad = out
         if flat_grad is None:
-            flat_grad = torch.empty_like(self.flat_full, memory_format=torch.contiguous_format)
-        flatten_local_grads(flat_grad, self.layout, self.full_params, self.local_grad_present)
+            flat_grad = self.flat_full.new_empty(self.grad_slots.numel)
+        flatten_local_grads(flat_grad, self.grad_slots, self.full_params, self.local_grad_present)
         return flat_grad
 
     def assign_grads(self, global_present: list[bool]) -> None:
@@ -407,7 +411,7 @@ class FlatParamHandle:
         self.pending_grad_shard = None
         self.local_grad_present = [False] * len(self.full_params)
         if pending is not None:
-            piece_of = functools.partial(self.shard_view, pending)
+            piece_of = functools.partial(self._grad_piece, pending)
             assign_reduced(
                 self.shard_params,
                 piece_of,
@@ -415,6 +419,13 @@ class FlatParamHandle:
                 global_present,
                 pending_is_kept=self._pending_is_kept,
             )
+
+    def _grad_piece(self, flat_grad_shard: torch.Tensor, index: int) -> torch.Tensor:
+        # Parameter ``index``'s part of this rank's reduced flat gradient.
+        if not self.reduces_in_place:
+            return self.shard_view(flat_grad_shard, index)
+        start, end = self.grad_slots.ranges[index]  # type: ignore[misc]  # trainable: a slot
+        return flat_grad_shard[start:end].view(self.layout.params[index].shape)
 
     @property
     def _pending_is_kept(self) -> bool:

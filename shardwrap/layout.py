@@ -143,3 +143,40 @@ class FlatLayout:
             return ()
         size = self.shard_numel
         return tuple(range(info.offset // size, (info.end - 1) // size + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class GradSlots:
+    """Where each parameter's local gradient goes in a unit's flat gradient buffer.
+
+    ``ranges[i]``: parameter ``i``'s ``[start, end)`` in the buffer, or ``None`` when it has
+    no slot (a frozen parameter in a packed buffer). ``numel``: the buffer's length,
+    padding included. See [Note: packed gradients] in grad_transfer.py.
+    """
+
+    ranges: tuple[tuple[int, int] | None, ...]
+    numel: int
+
+    @staticmethod
+    def along(layout: FlatLayout) -> GradSlots:
+        """Every parameter where the parameter layout puts it, padding included: a
+        reduce-scatter's input, whose shards must line up with the parameter shards."""
+        return GradSlots(tuple((i.offset, i.end) for i in layout.params), layout.padded_numel)
+
+    @staticmethod
+    def packed(layout: FlatLayout) -> GradSlots:
+        """The trainable parameters alone, end to end, in layout order."""
+        ranges: list[tuple[int, int] | None] = []
+        offset = 0
+        for info in layout.params:
+            if info.requires_grad:
+                ranges.append((offset, offset + info.numel))
+                offset += info.numel
+            else:
+                ranges.append(None)
+        return GradSlots(tuple(ranges), offset)
+
+    @property
+    def filled_numel(self) -> int:
+        """Elements up to the end of the last slot; the rest is padding."""
+        return max((end for _, end in filter(None, self.ranges)), default=0)

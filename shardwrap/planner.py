@@ -14,10 +14,7 @@ optimizer-state tensors per trainable element (AdamW/Adam: 2, SGD with momentum:
     3      FULL_SHARD      P b / N     (chain + next unit) c        T b / N    k T b / N
 
 plus the model's buffers (never sharded). With one shard and no cast nothing is
-gathered: the full buffer *is* the shard, and the gradients are views of a buffer kept
-from step to step that also holds the slots of the unit's frozen parameters, so a unit
-mixing frozen and trainable parameters counts its whole padded size (a unit with only
-frozen ones counts nothing: [Note: frozen units]). ZeRO-1 reduces each unit's gradients in
+gathered: the full buffer *is* the shard. ZeRO-1 reduces each unit's gradients in
 backward as ZeRO-2 does, so it too holds gradient shards (full local gradients only under
 ``no_sync``, as every stage does; not counted). "chain": a unit
 stays gathered while the units inside it run (the root unit all through forward and
@@ -53,7 +50,7 @@ from torch import nn
 from .layout import FlatLayout, padded_numel
 from .options import ShardingStrategy
 from .persistence import check_threshold
-from .planner_sizes import ModelSizes, UnitSizes, model_sizes
+from .planner_sizes import ModelSizes, model_sizes
 
 STAGE_STRATEGIES = {
     0: ShardingStrategy.NO_SHARD,
@@ -222,30 +219,23 @@ def _zero3_peak(sizes: ModelSizes, prefetch: bool, e: _Bytes) -> tuple[int, int]
     return chain, max(others, default=0) if prefetch else 0
 
 
-def _shard_numels(sizes: ModelSizes, rank: int | None, e: _Bytes) -> tuple[int, int, int]:
-    """(shard elements, trainable elements in the shard, gradient elements held) of
-    ``rank`` (or the most loaded rank)."""
+def _shard_numels(sizes: ModelSizes, rank: int | None) -> tuple[int, int]:
+    """(shard elements, trainable elements in the shard) of ``rank`` (or the largest)."""
     num_shards = max(u.layout.num_shards for u in sizes.units)
     ranks = range(num_shards) if rank is None else [rank % num_shards]
     shard = sum(u.layout.shard_numel for u in sizes.units)
-    trainable = max(sum(_trainable_numel(u.layout, r) for u in sizes.units) for r in ranks)
-    grads = max(sum(_grad_numel(u, r, e) for u in sizes.units) for r in ranks)
-    return shard, trainable, grads
-
-
-def _trainable_numel(layout: FlatLayout, rank: int) -> int:
-    pieces = layout.pieces(rank % layout.num_shards)
-    return sum(p.numel for i, p in zip(layout.params, pieces, strict=True) if i.requires_grad)
-
-
-def _grad_numel(unit: UnitSizes, rank: int, e: _Bytes) -> int:
-    """Gradient elements a unit holds after backward: its trainable elements, or, for a
-    unit reduced in place and neither cast nor staged to the host, its whole kept buffer
-    (frozen slots included; [Note: reusing the data-parallel gradient buffer]). A unit
-    with no trainable parameter holds none."""
-    trainable = _trainable_numel(unit.layout, rank)
-    kept = unit.reduces_in_place and e.compute == e.master and not e.device_copy
-    return unit.layout.padded_numel if kept and trainable else trainable
+    trainable = max(
+        sum(
+            piece.numel
+            for u in sizes.units
+            for info, piece in zip(
+                u.layout.params, u.layout.pieces(r % u.layout.num_shards), strict=True
+            )
+            if info.requires_grad
+        )
+        for r in ranks
+    )
+    return shard, trainable
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,14 +258,10 @@ def _gathered(
     return padded * e.compute, f"P c = {padded:,} x {e.compute}"
 
 
-def _gradients(trainable_shard: int, grads: int, n: int, e: _Bytes) -> tuple[int, str]:
-    # Reduced to shards in backward (ZeRO-1 too); one shard: see _grad_numel.
-    over_n = "" if n == 1 else " / N"
-    if grads == trainable_shard:
-        return grads * e.master, f"T b{over_n} = {grads:,} x {e.master}"
-    dead = grads - trainable_shard
-    formula = f"(T{over_n} + frozen slots) b = ({trainable_shard:,} + {dead:,}) x {e.master}"
-    return grads * e.master, formula
+def _gradients(strategy: ShardingStrategy, trainable: int, trainable_shard: int, e: _Bytes):
+    if strategy is not ShardingStrategy.NO_SHARD:  # reduced to shards in backward (ZeRO-1 too)
+        return trainable_shard * e.master, f"T b / N = {trainable_shard:,} x {e.master}"
+    return trainable * e.master, f"T b = {trainable:,} x {e.master}"
 
 
 def _estimate_one(
@@ -289,14 +275,13 @@ def _estimate_one(
     prefetch: bool,
 ) -> MemoryEstimate:
     n = max(u.layout.num_shards for u in sizes.units)
+    trainable = sum(i.numel for u in sizes.units for i in u.layout.params if i.requires_grad)
+    shard, trainable_shard = _shard_numels(sizes, rank)
     host_shards = offload == "cpu"  # CPUOffload: even one shard has a device copy
-    shard, trainable_shard, grad_numel = _shard_numels(
-        sizes, rank, replace(elem, device_copy=host_shards)
-    )
     gathered, gathered_formula = _gathered(
         sizes, strategy, replace(elem, device_copy=host_shards), prefetch
     )
-    grads, grads_formula = _gradients(trainable_shard, grad_numel, n, elem)
+    grads, grads_formula = _gradients(strategy, trainable, trainable_shard, elem)
     per_tensor = trainable_shard  # all of them when n == 1; persistent units whole
     over_n = "" if n == 1 else " / N"
     b = elem.master

@@ -25,9 +25,6 @@ class UnitSizes:
 
     layout: FlatLayout
     nested: tuple[int, ...]  # indices of the units directly inside this one
-    # One shard, reduced by an in-place all-reduce (NO_SHARD, or kept whole by the
-    # persistence threshold): its gradients are views of a buffer kept between steps.
-    reduces_in_place: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,26 +55,21 @@ def model_sizes(
     threshold: int = 0,
 ) -> ModelSizes:
     num_shards = num_shards_of(strategy, world_size)
-    replicated = strategy is ShardingStrategy.NO_SHARD
     if isinstance(source, nn.Module):
         if largest_unit_params is not None:
             raise ValueError("largest_unit_params: only for a parameter count, not a module")
-        return module_sizes(source, num_shards, auto_wrap_policy, threshold, replicated)
+        return module_sizes(source, num_shards, auto_wrap_policy, threshold)
     if isinstance(source, bool) or not isinstance(source, (int, float)) or source < 1:
         raise TypeError(
             f"model_or_num_params: expected an nn.Module or a positive count, got {source!r}"
         )
     if auto_wrap_policy is not None:
         raise ValueError("auto_wrap_policy: only for a module, not a parameter count")
-    return count_sizes(int(source), num_shards, largest_unit_params, threshold, replicated)
+    return count_sizes(int(source), num_shards, largest_unit_params, threshold)
 
 
 def count_sizes(
-    num_params: int,
-    num_shards: int,
-    largest_unit_params: int | None,
-    threshold: int = 0,
-    replicated: bool = False,
+    num_params: int, num_shards: int, largest_unit_params: int | None, threshold: int = 0
 ) -> ModelSizes:
     """A parameter count as two units: the largest one and the root holding the rest.
 
@@ -87,24 +79,17 @@ def count_sizes(
     if not 1 <= largest <= num_params:
         raise ValueError(f"largest_unit_params: expected 1..{num_params}, got {largest}")
     largest_layout = unit_layout([("largest_unit", (largest,), True)], num_shards, threshold)
-    units = [_sizes(largest_layout, (), replicated, threshold)]
+    units = [UnitSizes(largest_layout, ())]
     if largest < num_params:
         rest = unit_layout([("rest", (num_params - largest,), True)], num_shards, threshold)
-        units = [_sizes(rest, (), replicated, threshold), units[0]]
+        units = [UnitSizes(rest, ()), units[0]]
     return ModelSizes(tuple(units), 0, chain_numel=largest_layout.padded_numel)
 
 
 def module_sizes(
-    model: nn.Module,
-    num_shards: int,
-    auto_wrap_policy: Any,
-    threshold: int = 0,
-    replicated: bool = False,
+    model: nn.Module, num_shards: int, auto_wrap_policy: Any, threshold: int = 0
 ) -> ModelSizes:
-    """Units exactly as ``ShardedModule`` builds them (same policy, same layouts).
-
-    ``replicated``: every unit is one shard all-reduced in place (NO_SHARD).
-    """
+    """Units exactly as ``ShardedModule`` builds them (same policy, same layouts)."""
     unit_modules = [model, *select_units(model, as_policy(auto_wrap_policy), set())]
     owned = assign_params(model, unit_modules[1:], collect_params(model, set(), set()))
     layouts = [
@@ -126,15 +111,8 @@ def module_sizes(
         if i > 0
     ]
     units = tuple(
-        _sizes(layout, tuple(j for j, p in enumerate(parents) if p == i), replicated, threshold)
+        UnitSizes(layout, tuple(j for j, p in enumerate(parents) if p == i))
         for i, layout in enumerate(layouts)
     )
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return ModelSizes(units, buffers)
-
-
-def _sizes(
-    layout: FlatLayout, nested: tuple[int, ...], replicated: bool, threshold: int
-) -> UnitSizes:
-    whole = replicated or is_persistent(layout.unpadded_numel, threshold)
-    return UnitSizes(layout, nested, reduces_in_place=layout.num_shards == 1 and whole)

@@ -80,6 +80,7 @@ def _collectives(rank: int, world_size: int, kind: str) -> dict[str, dict]:
                 prof.bytes(kind_, "grads") for kind_ in ("all_reduce", "reduce_scatter")
             ),
             "trainable_padded_bytes": 4 * sum(h.layout.padded_numel for h in trainable),
+            "trainable_bytes": 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
             "all_reduces": prof.count("all_reduce", "grads"),
             "state_at_backward_end": seen[-1],
         }
@@ -92,11 +93,14 @@ def test_frozen_units_move_no_gradient_bytes(kind: str) -> None:
         for strategy, got in per_strategy.items():
             where = f"{kind} {strategy}: {got}"
             assert got["frozen_reductions"] == 0, where
+            if strategy == "NO_SHARD":
+                # one bucket across the frozen unit, of trainable parameters alone
+                # ([Note: packed gradients]: the root's frozen ``pos`` is left out too)
+                assert got["all_reduces"] == 1, where
+                assert got["grad_bytes"] == got["trainable_bytes"], where
+                continue
             # every gradient byte moved belongs to a trainable unit
             assert got["grad_bytes"] == got["trainable_padded_bytes"], where
-            if strategy == "NO_SHARD":
-                assert got["all_reduces"] == 1, where  # one bucket across the frozen unit
-                continue
             state, held = got["state_at_backward_end"]
             if kind == "mlp":
                 # never reached by backward: gathered for forward only, not prefetched;

@@ -69,7 +69,7 @@ def _measure(case_kind: str, stage: int, rank: int, compute_dtype, threshold=0) 
     grads = [
         p.grad for h in handles for p in [*h.shard_params, *h.full_params] if p.grad is not None
     ]
-    held_grads = _storage_bytes(grads)  # a kept buffer's frozen slots are held too
+    held_grads = _storage_bytes(grads)  # views of a kept buffer: the buffer counts whole
     optim.step()
     return {
         "parameters": _bytes(h.flat_shard for h in handles),

@@ -7,7 +7,7 @@ The expected numbers are derived from each unit's ``FlatLayout`` alone:
   backward; the ledger counts each collective's full buffer), except once for the unit
   that ran last in forward, which stays gathered into backward; it reduce-scatters each
   padded flat gradient once. SHARD_GRAD_OP and SHARD_OPTIM gather once; NO_SHARD only
-  all-reduces the flat gradients, all units in one bucket.
+  all-reduces the trainable parameters' gradients, all units in one bucket.
 * Model state per rank is 4 bytes per shard element (padding included) for parameters,
   4 per owned trainable element for gradients and 8 for AdamW's two moments, plus one
   float32 ``step`` per parameter: 16 * P / N plus padding.
@@ -58,9 +58,10 @@ def _check_collectives(strategy: str, model, step: profile.StepProfile) -> None:
             assert step.count("reduce_scatter", "grads", unit=label) == 1
     if strategy == "NO_SHARD":
         # [Note: default reduce buckets]: the units fit one bucket, recorded once under a
-        # label that names its first and last units.
-        all_padded = sum(FP32_BYTES * h.layout.padded_numel for _, h in handles)
-        assert step.bytes("all_reduce", "grads") == all_padded
+        # label that names its first and last units. It holds the trainable parameters
+        # alone ([Note: packed gradients]: not the root's frozen ``pos``).
+        trainable = sum(n for _, h in handles for n in _trainable_piece_numels(h, 0))
+        assert step.bytes("all_reduce", "grads") == FP32_BYTES * trainable
         assert step.count("all_reduce", "grads") == 1
         labels = {s.unit for s in step.collectives if s.purpose == "grads"}
         # backward order: the last block first, the root (reduced at the end) last
@@ -81,11 +82,9 @@ def _expected_memory(strategy: str, model, rank: int) -> dict[str, int]:
         if keeps_full
         else 0,
         "param_shards": sum(FP32_BYTES * h.layout.shard_numel for h in handles),
-        # NO_SHARD: every gradient is a view of the default bucket's kept buffer, which
-        # holds every unit's padded flat gradient (a frozen parameter's slot included).
-        "grads": FP32_BYTES * sum(h.layout.padded_numel for h in handles)
-        if strategy == "NO_SHARD"
-        else FP32_BYTES * sum(trainable),
+        # NO_SHARD: views of the default bucket's kept buffer, which holds the trainable
+        # parameters alone ([Note: packed gradients])
+        "grads": FP32_BYTES * sum(trainable),
         "optimizer_state": sum(2 * FP32_BYTES * n + ADAM_STEP_BYTES for n in trainable),
     }
 

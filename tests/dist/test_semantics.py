@@ -36,6 +36,7 @@ def _traffic_worker(rank: int, world_size: int, strategy: str) -> dict:
         "summary": model.comm_ledger.summary(),
         "num_units": len(handles),
         "padded_bytes": sum(h.layout.padded_numel * 4 for h in handles),
+        "trainable_bytes": 4 * sum(i.numel for h in handles for i in h.layout.params if i.requires_grad),
         "num_params": sum(len(h.layout.params) for h in handles),
         # [Note: the last unit of forward stays gathered]: backward gathers it no more
         "last_unit_bytes": model._runtime.schedule.previous_forward_order[-1].handle.layout.padded_numel * 4,
@@ -65,8 +66,8 @@ def test_traffic_per_step_equals_theory(strategy: str, world_size: int) -> None:
         expected[("all_gather", "params")] = (gathers * units, gathers * size)
     if scatters:
         expected[("reduce_scatter", "grads")] = (scatters * units, scatters * size)
-    if reduces:
-        expected[("all_reduce", "grads")] = (reduces, size)
+    if reduces:  # trainable parameters alone ([Note: packed gradients])
+        expected[("all_reduce", "grads")] = (reduces, result["trainable_bytes"])
     # one small vote per step on which parameters got a gradient (int32 flags)
     expected[("all_reduce", "grad_presence")] = (1, 4 * result["num_params"])
     assert summary == expected

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from shardwrap.grad_transfer import assign_reduced, flatten_local_grads
-from shardwrap.layout import FlatLayout
+from shardwrap.layout import FlatLayout, GradSlots
 
 SHAPES = [("a", (2, 3), True), ("b", (4,), True), ("c", (3,), True)]
 
@@ -28,10 +28,23 @@ def test_flatten_writes_every_slot_once_and_clears_the_views() -> None:
     expected = torch.cat([a_grad, torch.zeros(4), c_grad, torch.zeros(3)])
     flat = torch.full((layout.padded_numel,), float("nan"))  # stale contents must not leak
     present = [False, False, False]
-    flatten_local_grads(flat, layout, params, present)
+    flatten_local_grads(flat, GradSlots.along(layout), params, present)
     assert torch.equal(flat, expected)
     assert present == [True, False, True]
     assert all(p.grad is None for p in params)
+
+
+def test_flatten_packs_trainable_gradients_and_skips_frozen_slots() -> None:
+    shapes = [("a", (2, 3), True), ("frozen", (4,), False), ("c", (3,), True)]
+    layout = FlatLayout.build(shapes, num_shards=1)
+    params = [nn.Parameter(torch.zeros(s), requires_grad=t) for _, s, t in shapes]
+    params[0].grad = torch.ones(2, 3)
+    params[2].grad = torch.full((3,), 2.0)
+    flat = torch.full((9,), float("nan"))
+    present = [False, False, False]
+    flatten_local_grads(flat, GradSlots.packed(layout), params, present)
+    assert torch.equal(flat, torch.tensor([1.0] * 6 + [2.0] * 3))
+    assert present == [True, False, True]
 
 
 def _pieces(pending: torch.Tensor, layout: FlatLayout):
