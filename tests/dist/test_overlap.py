@@ -121,6 +121,7 @@ def _bucket_worker(rank: int, world_size: int, strategy: str) -> dict:
     return {
         "summary": model.comm_ledger.summary(),
         "padded_bytes": sum(h.layout.padded_numel * 4 for h in handles),
+        "trainable_bytes": 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
 
 
@@ -130,8 +131,10 @@ def _bucket_worker(rank: int, world_size: int, strategy: str) -> dict:
 )  # fmt: skip
 def test_one_bucket_means_one_gradient_collective(strategy: str, kind: str) -> None:
     result = run_ranks(_bucket_worker, 2, strategy)[0]
-    # all units' gradients in one collective of the same total size
-    assert result["summary"][(kind, "grads")] == (1, result["padded_bytes"])
+    # all units' gradients in one collective of the same total size: the padded flat
+    # gradients, or without shards the trainable parameters alone ([Note: packed gradients])
+    size = result["trainable_bytes"] if strategy == "NO_SHARD" else result["padded_bytes"]
+    assert result["summary"][(kind, "grads")] == (1, size)
 
 
 def test_bucket_size_is_validated() -> None:
