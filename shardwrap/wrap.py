@@ -18,6 +18,7 @@ from .deferred_init import UnitMaterializer, has_meta
 from .groups import resolve_groups
 from .hooks import Unit
 from .host_offload import host_staging_for
+from .nesting import absorb_nested, check_not_wrapped
 from .offload import DiskStore
 from .options import (
     BackwardPrefetch,
@@ -26,7 +27,7 @@ from .options import (
     MixedPrecision,
     ShardingStrategy,
 )
-from .persistence import check_threshold, persistent_comms
+from .persistence import check_threshold
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -43,6 +44,7 @@ from .runtime import StepRuntime
 from .schedule import Schedule
 from .units import assign_params, collect_params
 from .wrap_setup import (
+    RootComms,
     build_units,
     check_bool,
     check_bucket_bytes,
@@ -50,6 +52,7 @@ from .wrap_setup import (
     check_unsupported,
     full_precision_units,
     resolve_ignored,
+    root_comms,
 )
 
 __all__ = [
@@ -103,7 +106,7 @@ class ShardedModule(nn.Module):
     ) -> None:
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
-        _check_module(module)
+        check_not_wrapped(module, _MANAGED, ShardedModule)
         if not collectives.is_initialized():
             raise RuntimeError(
                 "ShardedModule: no process group is initialised; call "
@@ -127,22 +130,51 @@ class ShardedModule(nn.Module):
         )
         policy = as_policy(auto_wrap_policy)
         ignored = resolve_ignored(ignored_modules, ignored_states, module)
-        groups = resolve_groups(self.sharding_strategy, process_group, device_mesh)
         self.comm_ledger = CommLedger()
-        world_comm = Communicator(groups.world_group, self.comm_ledger)
-        shard_comm = Communicator(groups.shard_group, self.comm_ledger)
-        replicate_comm = (
-            Communicator(groups.replicate_group, self.comm_ledger)
-            if groups.replicate_group is not None
-            else None
+        comms = root_comms(
+            resolve_groups(self.sharding_strategy, process_group, device_mesh),
+            self.sharding_strategy,
+            self.comm_ledger,
+            self.param_persistence_threshold,
         )
-        persistent = (
-            persistent_comms(self.sharding_strategy, groups, self.comm_ledger)
-            if self.param_persistence_threshold
-            and self.sharding_strategy is not ShardingStrategy.NO_SHARD
-            else None
+        absorbed = absorb_nested(module, ShardedModule)
+        new_units, full_precision = self._build_units(
+            module,
+            comms,
+            absorbed,
+            policy=policy,
+            ignored=ignored,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
         )
-        absorbed = _absorb_nested(module)
+        self.module = module
+        self._units: list[Unit] = new_units + list(absorbed)
+        for unit in self._units:
+            _MANAGED[unit.module] = unit
+        for unit in new_units:
+            unit.register()
+        full_ids = {id(m) for m in full_precision}
+        precision.install_casts(new_units, module, self.mixed_precision, full_ids)
+        schedule = Schedule(
+            forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch
+        )
+        self._runtime = StepRuntime(self._units, comms.world, schedule)
+
+    def _build_units(
+        self,
+        module: nn.Module,
+        comms: RootComms,
+        absorbed: list[Unit],
+        *,
+        policy: Any,
+        ignored: set[nn.Module],
+        param_init_fn: Callable[[nn.Module], None] | None,
+        device_id: int | torch.device | None,
+        sync_module_states: bool,
+    ) -> tuple[list[Unit], list[nn.Module]]:
+        """Shard ``module`` into units (``absorbed`` ones aside): the new units, and the
+        modules that mixed precision leaves in full precision."""
         deferred = has_meta(module)
         device = torch.device("cpu") if device_id is None else torch.device(device_id)
         if device_id is not None and not deferred:
@@ -164,39 +196,28 @@ class ShardedModule(nn.Module):
             ignored,
             param_init_fn,
             device,
-            sync_comm=world_comm if sync_module_states else None,
+            sync_comm=comms.world if sync_module_states else None,
         )
         new_units = build_units(
             module,
             unit_modules,
             owned,
             materializer=materializer if deferred or sync_module_states else None,
-            shard_comm=shard_comm,
-            replicate_comm=replicate_comm,
+            shard_comm=comms.shard,
+            replicate_comm=comms.replicate,
             strategy=self.sharding_strategy,
             mixed_precision=self.mixed_precision,
             full_precision=full_precision,
             shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
-                self.disk_store.allocate if self.disk_store else host_staging_for(cpu_offload)
+                self.disk_store.allocate if self.disk_store else host_staging_for(self.cpu_offload)
             ),
-            persistent=(persistent, self.param_persistence_threshold),
+            persistent=(comms.persistent, self.param_persistence_threshold),
         )
         if deferred or sync_module_states:
             materializer.finish(module, ignored)
         if self.disk_store is not None:
             self.disk_store.attach(u.handle for u in new_units)
-        self.module = module
-        self._units: list[Unit] = new_units + list(absorbed)
-        for unit in self._units:
-            _MANAGED[unit.module] = unit
-        for unit in new_units:
-            unit.register()
-        full_ids = {id(m) for m in full_precision}
-        precision.install_casts(new_units, module, self.mixed_precision, full_ids)
-        schedule = Schedule(
-            forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch
-        )
-        self._runtime = StepRuntime(self._units, world_comm, schedule)
+        return new_units, full_precision
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -380,45 +401,3 @@ def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:
             f"{method}: extra arguments {args or ''}{sorted(kwargs) or ''} are not supported "
             "(process groups come from the model)"
         )
-
-
-# ---------------------------------------------------------------- construction helpers
-def _check_module(module: object) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
-    if isinstance(module, ShardedModule):
-        raise ValueError("module: this module is already a ShardedModule (wrapped twice)")
-    for name, sub in module.named_modules():
-        if sub in _MANAGED and not _is_nested_root(module, sub):
-            where = f"submodule {name!r}" if name else "the module"
-            raise ValueError(
-                f"module: {where} is already managed by a ShardedModule (wrapped twice)"
-            )
-
-
-def _is_nested_root(root: nn.Module, sub: nn.Module) -> bool:
-    """Whether ``sub`` belongs to a ``ShardedModule`` sitting inside ``root`` (absorbable)."""
-    return any(
-        isinstance(m, ShardedModule) and any(u.module is sub for u in m._units)
-        for m in root.modules()
-    )
-
-
-def _absorb_nested(module: nn.Module) -> list[Unit]:
-    """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
-
-    The adopted units' names and parameter names become relative to ``module``.
-    """
-    adopted: list[Unit] = []
-    for parent_name, parent in list(module.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, ShardedModule):
-                path = f"{parent_name}.{child_name}" if parent_name else child_name
-                child._runtime.remove_hooks()
-                for unit in child._units:
-                    unit.name = f"{path}.{unit.name}" if unit.name else path
-                    if unit.handle is not None:
-                        unit.handle.rename(path)
-                adopted.extend(child._units)
-                parent._modules[child_name] = child.module
-    return adopted
