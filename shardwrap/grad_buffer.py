@@ -25,6 +25,8 @@ for FSDP.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 # Counts the tensors (and the Python storage object) sharing a storage. Private; without
@@ -91,6 +93,35 @@ class ScratchPool:
         if len(kept) < self.capacity:
             kept.append(buffer)
         return _lent(buffer)
+
+
+class PlanBuffers:
+    """The kept buffers of in-place bucket plans ([Note: in-place buckets]), by plan.
+
+    Those used in the last step that reduced and in the current one are kept. A plan that
+    goes a whole such step unused loses its buffer, so control flow that changes from step
+    to step cannot pile buffers up. A step that reduced nothing (``no_sync``) does not
+    count, so gradient accumulation keeps its buffers.
+    """
+
+    def __init__(self) -> None:
+        self._current: dict[Hashable, ReusableGradBuffer] = {}
+        self._previous: dict[Hashable, ReusableGradBuffer] = {}
+
+    def for_plan(self, plan: Hashable) -> ReusableGradBuffer:
+        """The buffer kept for ``plan`` (a new one the first time)."""
+        buffer = self._current.get(plan) or self._previous.pop(plan, None) or ReusableGradBuffer()
+        self._current[plan] = buffer
+        return buffer
+
+    def end_step(self) -> None:
+        """Drop the buffers of plans that neither this step nor the last one used."""
+        if self._current:
+            self._previous, self._current = self._current, {}
+
+    def buffers(self) -> list[ReusableGradBuffer]:
+        """Every buffer kept now."""
+        return [*self._current.values(), *self._previous.values()]
 
 
 def _lent(buffer: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from . import gather_bucket
 from .bucketing import ReduceBucket
 from .flat_param import FlatParamHandle
-from .grad_buffer import ReusableGradBuffer, ScratchPool
+from .grad_buffer import PlanBuffers, ScratchPool
 from .hooks import TrainingState, Unit
 from .options import BackwardPrefetch
 
@@ -104,11 +104,8 @@ class Schedule:
         # Reduce-scatter inputs, reused from step to step: those in flight and the one
         # being filled ([Note: reusing the data-parallel gradient buffer]).
         self.scratch = ScratchPool(capacity=self.max_sharded_reduces_in_flight + 1)
-        # The buffers of in-place buckets, by plan ([Note: in-place buckets]): those of
-        # the last step and those used so far in this one. Older plans are dropped, so
-        # changing control flow cannot pile buffers up.
-        self._bucket_slots_kept: dict[tuple[FlatParamHandle, ...], ReusableGradBuffer] = {}
-        self.bucket_slots: dict[tuple[FlatParamHandle, ...], ReusableGradBuffer] = {}
+        # The buffers of in-place buckets, by plan ([Note: in-place buckets]).
+        self.bucket_slots = PlanBuffers()
 
     # ------------------------------------------------------------- prefetch
     def after_pre_forward(self, unit: Unit) -> None:
@@ -199,7 +196,9 @@ class Schedule:
             self._reducing.append(handle)
             return
         if not self._bucket.handles:
-            self._bucket = ReduceBucket.opened_by(handle, list(upcoming), budget, self._slot_buffer)
+            self._bucket = ReduceBucket.opened_by(
+                handle, list(upcoming), budget, self.bucket_slots.for_plan
+            )
         self._bucket.add(handle)
         if self._bucket.is_full(budget):
             self.flush_bucket()
@@ -209,11 +208,6 @@ class Schedule:
         if self.reduce_bucket_bytes is not None:
             return self.reduce_bucket_bytes
         return DEFAULT_IN_PLACE_BUCKET_BYTES if handle.reduces_in_place else 0
-
-    def _slot_buffer(self, plan: tuple[FlatParamHandle, ...]) -> ReusableGradBuffer:
-        buffer = self.bucket_slots.get(plan) or self._bucket_slots_kept.get(plan)
-        self.bucket_slots[plan] = buffer = buffer or ReusableGradBuffer()
-        return buffer
 
     def flush_bucket(self) -> None:
         """Issue the collective of the units collected so far."""
@@ -252,6 +246,7 @@ class Schedule:
         """Remember this step's order; settle reductions and prefetches nobody used."""
         self.flush_bucket()
         self.finish_reduces()
+        self.bucket_slots.end_step()
         # A bucket may have gathered units from the last order that this step did not run.
         touched = list(dict.fromkeys([*forward_order, *self.previous_forward_order]))
         self.previous_forward_order = list(forward_order)

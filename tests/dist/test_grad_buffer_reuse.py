@@ -61,7 +61,7 @@ def _num_allocated(model, seen: set) -> int:
     """
     schedule = model._runtime.schedule
     seen.update(u.handle._grad_buffer for u in model.units if u.handle is not None)
-    seen.update([*schedule.bucket_slots.values(), *schedule._bucket_slots_kept.values()])
+    seen.update(schedule.bucket_slots.buffers())
     return sum(b.num_allocated for b in seen)
 
 

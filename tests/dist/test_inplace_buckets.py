@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
+from shardwrap.policies import ModuleWrapPolicy
 from tests import models
 from tests.dist.harness import run_ranks
 from tests.dist.parity import build_model, wrap_policy
@@ -127,3 +128,37 @@ def test_only_concatenating_buckets_wait_before_the_next(strategy: str, waits: b
     for result in run_ranks(_issue_wait_worker, 2, strategy):
         assert result["first_done"] is waits
         assert result["both_done"]
+
+
+class _Branches(torch.nn.Module):
+    """A trunk and three heads; each step takes one head, so the bucket plan changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(4, 8)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, head: int) -> torch.Tensor:
+        return self.heads[head](self.trunk(x))
+
+
+def _changing_plans_worker(rank: int, world_size: int) -> list[int]:
+    model = shardwrap.ShardedModule(
+        _Branches(),
+        sharding_strategy="NO_SHARD",
+        auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+    )
+    kept = []
+    for step in range(6):
+        model(torch.randn(2, 4), head=step % 3).sum().backward()
+        model.zero_grad(set_to_none=True)
+        kept.append(len(model._runtime.schedule.bucket_slots.buffers()))
+    return kept
+
+
+def test_buffers_of_plans_no_longer_used_are_dropped() -> None:
+    # three plans in turn ([head, trunk]): between steps only the last step's stays (it
+    # kept all three, one more each step, before plans were dropped)
+    for kept in run_ranks(_changing_plans_worker, 2):
+        assert kept == [1] * 6

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwrap.grad_buffer import ReusableGradBuffer, ScratchPool, held_only_by
+from shardwrap.grad_buffer import PlanBuffers, ReusableGradBuffer, ScratchPool, held_only_by
 
 NUMEL = 12
 
@@ -90,3 +90,26 @@ def test_the_pool_lends_each_buffer_once_and_keeps_at_most_capacity() -> None:
 def test_the_pool_checks_its_capacity() -> None:
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         ScratchPool(capacity=0)
+
+
+def test_plan_buffers_keep_the_plans_of_the_last_two_reducing_steps() -> None:
+    plans = PlanBuffers()
+    first = plans.for_plan(("a", "b"))
+    assert plans.for_plan(("a", "b")) is first  # the same plan twice in one step
+    plans.end_step()
+    other = plans.for_plan(("c",))  # control flow changed: another plan
+    plans.end_step()
+    assert set(map(id, plans.buffers())) == {id(other)}  # ("a", "b") unused for a step
+    assert plans.for_plan(("a", "b")) is not first
+
+
+def test_plan_buffers_survive_steps_that_reduce_nothing() -> None:
+    plans = PlanBuffers()
+    kept = plans.for_plan(("a",))
+    plans.end_step()
+    for _ in range(3):  # no_sync backwards: no plan used
+        plans.end_step()
+    assert plans.for_plan(("a",)) is kept
+    plans.end_step()
+    plans.end_step()
+    assert plans.buffers() == [kept]  # kept by the last step that reduced
