@@ -65,8 +65,9 @@ class Unit:
         self.forward_depth = 0
         # None: the strategy decides; True/False: set_reshard_after_forward overrides it.
         self.reshard_after_forward_override: bool | None = None
-        # Whether an output of this step's forward needs a gradient, so that backward
-        # will reach the unit (and gather it): only such units are prefetched for backward.
+        # Whether backward may reach (and gather) the unit this step: False only after a
+        # forward with grad enabled none of whose outputs needs a gradient. Only such
+        # units are prefetched for backward.
         self.expects_backward = False
         self._hook_handles: list[Any] = []
 
@@ -102,7 +103,11 @@ class Unit:
                 self.handle.reshard(free=self.strategy.free_after_backward)
             elif self.strategy.reduces_at_step:
                 self.handle.reshard(free=False)
-        if training and _register_pre_backward(self, output):
+        if not training:
+            # A reentrant activation checkpoint runs forward without grad and again in
+            # backward, so backward may still need the unit.
+            self.expects_backward = True
+        elif _register_pre_backward(self, output):
             self.expects_backward = True
         return output
 

@@ -120,3 +120,31 @@ def test_activation_checkpointing_parity(world_size):
             continue
         kind = "reentrant_wrapper" if mode == "wrapper_after_wrap_reentrant" else "plain"
         assert gathers == EXPECTED_GATHERS[strategy][kind], (strategy, mode, gathers)
+
+
+def _prefetch_worker(rank: int, world_size: int, mode: str) -> list[str]:
+    """Units the schedule prefetched during the second step's backward."""
+    sharded, _ = _prepare(mode, "FULL_SHARD")
+    schedule = sharded._runtime.schedule
+    prefetched: list[str] = []
+    issue = schedule._prefetch
+
+    def recording_prefetch(unit, upcoming):
+        prefetched.append(unit.name)
+        issue(unit, upcoming)
+
+    schedule._prefetch = recording_prefetch
+    for step in range(NUM_STEPS):
+        loss = loss_for("gpt", sharded, batch_for("gpt", rank), step)
+        prefetched.clear()
+        loss.backward()
+    return prefetched
+
+
+@pytest.mark.parametrize("mode", ["none", "wrapper_after_wrap_reentrant"])
+def test_backward_prefetches_units_a_reentrant_checkpoint_runs_again(mode: str) -> None:
+    # A reentrant wrapper runs the whole unit without grad, so no output hook marks it as
+    # reached by backward; it is recomputed there all the same and so still prefetched
+    # ([Note: frozen units] in shardwrap/hooks.py), in backward order.
+    for prefetched in run_ranks(_prefetch_worker, 2, mode):
+        assert prefetched == ["blocks.1", "blocks.0"], prefetched
