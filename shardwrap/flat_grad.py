@@ -2,22 +2,21 @@
 
 The gradient half of :class:`~shardwrap.flat_param.FlatParamHandle`, which mixes this
 class in; the handle owns the buffers and communicators these methods read. The tensor
-work itself is in :mod:`.grad_transfer`, which says where each gradient goes
-([Note: packed gradients]).
+work itself is in :mod:`.grad_transfer`; where each gradient goes in the flat buffer, in
+:mod:`.grad_slots` ([Note: packed gradients]).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .grad_buffer import ReusableGradBuffer, ScratchPool
+from .grad_slots import GradSlots
 from .grad_transfer import assign_reduced, flatten_local_grads
-from .layout import GradSlots
 
 if TYPE_CHECKING:
     from torch import nn
@@ -55,16 +54,18 @@ class FlatGradMixin:
     reduces_in_place: bool
     num_shards: int
     data_parallel_size: int
-    shard_view: Callable[[torch.Tensor, int], torch.Tensor]
 
     def _init_grads(self) -> None:
         # Fixed at wrap time, as the layout's flags are; a unit with none never reduces.
         self.has_trainable_params = any(info.requires_grad for info in self.layout.params)
         # Where local gradients go before the reduction: [Note: packed gradients]
-        self.grad_slots = (
-            GradSlots.packed(self.layout) if self.reduces_in_place else GradSlots.along(self.layout)
-        )
-        # Reduced gradient of this backward, waiting for the presence vote (1D, shard_numel).
+        self.grad_slots = GradSlots.for_layout(self.layout)
+        # Each parameter's [start, end) in this rank's reduced chunk.
+        rank = self.shard_comm.rank if self.num_shards > 1 else 0
+        self._reduced_pieces = [
+            self.grad_slots.piece_in_chunk(index, rank) for index in range(len(self.layout.params))
+        ]
+        # Reduced gradient of this backward, waiting for the presence vote (1D, a chunk).
         self.pending_grad_shard: torch.Tensor | None = None
         self.local_grad_present = [False] * len(self.layout.params)
         self._reductions: list[_Reduction] = []  # gradient reductions issued, not yet waited
@@ -92,7 +93,7 @@ class FlatGradMixin:
             out = scratch.take(self.flat_grad_numel, self.reduce_dtype, self.compute_device)
         flat_grad = self.take_local_grads(out)
         reduced = torch.empty(
-            self.layout.shard_numel, dtype=self.reduce_dtype, device=flat_grad.device
+            self.grad_slots.chunk_numel, dtype=self.reduce_dtype, device=flat_grad.device
         )
         work = self.shard_comm.reduce_scatter(
             reduced, flat_grad, purpose="grads", unit=self.comm_label
@@ -130,7 +131,7 @@ class FlatGradMixin:
         return self.grad_slots.numel
 
     def accept_reduced(self, reduced: torch.Tensor, *, replicate_done: bool) -> None:
-        """Finish a reduction of this rank's shard (1D, shard_numel): replicas, scale, add."""
+        """Finish a reduction of this rank's chunk (1D, chunk_numel): replicas, scale, add."""
         if self.replicate_comm is not None and not replicate_done:
             self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
         reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
@@ -167,12 +168,11 @@ class FlatGradMixin:
                 pending_is_kept=self._pending_is_kept,
             )
 
-    def _grad_piece(self, flat_grad_shard: torch.Tensor, index: int) -> torch.Tensor:
-        # Parameter ``index``'s part of this rank's reduced flat gradient.
-        if not self.reduces_in_place:
-            return self.shard_view(flat_grad_shard, index)
-        start, end = self.grad_slots.ranges[index]  # type: ignore[misc]  # trainable: a slot
-        return flat_grad_shard[start:end].view(self.layout.params[index].shape)
+    def _grad_piece(self, reduced_chunk: torch.Tensor, index: int) -> torch.Tensor:
+        # Parameter ``index``'s part of this rank's reduced chunk, shaped like its shard view.
+        start, end = self._reduced_pieces[index]
+        piece = reduced_chunk[start:end]
+        return piece.view(self.layout.params[index].shape) if self.num_shards == 1 else piece
 
     @property
     def _pending_is_kept(self) -> bool:

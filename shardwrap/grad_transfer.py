@@ -4,17 +4,7 @@ Before a reduction, every full view's local gradient is copied into its slot of 
 buffer. After it, the reduced buffer (this rank's shard) goes onto the shard views.
 These are functions of tensors and the unit's layout; the handle keeps the state.
 
-[Note: packed gradients]
-A sharded unit's flat gradient is a reduce-scatter's input: rank ``r`` receives the sum
-of everyone's ``r``-th chunk, and that chunk has to hold exactly the elements of ``r``'s
-parameter shard. So its slots follow the parameter layout (:meth:`GradSlots.along`),
-frozen parameters and padding included, and those slots travel as zeros. A unit reduced
-by an in-place all-reduce (one shard: NO_SHARD, or kept whole by the persistence
-threshold) has no chunks to line up, so its buffer holds the trainable parameters alone,
-end to end (:meth:`GradSlots.packed`), as DDP's buckets do: a frozen parameter costs no
-bytes on the wire and none in the gradient buffer kept between steps. (A fine-tuned model
-whose units hold large frozen weights next to small trainable ones reduces only the
-latter.)
+Where each gradient goes in the flat buffer: [Note: packed gradients] in grad_slots.py.
 """
 
 from __future__ import annotations
@@ -24,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .layout import GradSlots
+from .grad_slots import GradSlots
 
 
 def flatten_local_grads(
@@ -33,21 +23,25 @@ def flatten_local_grads(
     full_params: list[nn.Parameter],
     present: list[bool],
 ) -> None:
-    """Move each full view's gradient into its slot of ``flat_grad`` (1D, ``slots.numel``).
+    """Move each full view's gradient into its segments of ``flat_grad`` (1D,
+    ``slots.numel``).
 
-    Every element is written once: a gradient, or zeros (no gradient, padding). The views'
-    gradients are cleared, and ``present[i]`` set for each parameter that had one. A
-    parameter without a slot is frozen, so it has no gradient to move.
+    Every element is written once: a gradient, or zeros (no gradient, a gap). The views'
+    gradients are cleared, and ``present[i]`` set for each parameter that had one.
     """
-    flat_grad[slots.filled_numel :].zero_()
-    for index, (slot, param) in enumerate(zip(slots.ranges, full_params, strict=True)):
-        if slot is None:
+    for start, end in slots.gaps:
+        flat_grad[start:end].zero_()
+    for index, (segments, param) in enumerate(zip(slots.segments, full_params, strict=True)):
+        grad = param.grad
+        if grad is None:
+            for segment in segments:
+                flat_grad[segment.start : segment.end].zero_()
             continue
-        start, end = slot
-        if param.grad is None:
-            flat_grad[start:end].zero_()
-            continue
-        flat_grad[start:end].copy_(param.grad.reshape(-1))
+        flat = grad.reshape(-1)
+        for segment in segments:
+            flat_grad[segment.start : segment.end].copy_(
+                flat[segment.param_start : segment.param_end]
+            )
         present[index] = True
         param.grad = None
 

@@ -15,9 +15,8 @@ time) gets no gradient on any rank, so it issues no reduction, holds no gradient
 and has no place in a reduce bucket's plan. Backward still runs through it when its
 inputs need gradients (frozen blocks above trainable ones) and gathers it for that; one
 whose outputs need none (a frozen embedding at the bottom) is never reached by backward,
-so it is not prefetched for it either. A sharded unit that mixes frozen and trainable
-parameters reduces zeros in the frozen slots, whose place in each shard is fixed by the
-layout; a data-parallel one leaves them out ([Note: packed gradients] in grad_transfer.py).
+so it is not prefetched for it either. A unit that mixes frozen and trainable parameters
+leaves the frozen ones out of its reduction ([Note: packed gradients] in grad_slots.py).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwrap.grad_slots import GradSlots
 from shardwrap.grad_transfer import assign_reduced, flatten_local_grads
-from shardwrap.layout import FlatLayout, GradSlots
+from shardwrap.layout import FlatLayout
 
 SHAPES = [("a", (2, 3), True), ("b", (4,), True), ("c", (3,), True)]
 
@@ -28,7 +29,7 @@ def test_flatten_writes_every_slot_once_and_clears_the_views() -> None:
     expected = torch.cat([a_grad, torch.zeros(4), c_grad, torch.zeros(3)])
     flat = torch.full((layout.padded_numel,), float("nan"))  # stale contents must not leak
     present = [False, False, False]
-    flatten_local_grads(flat, GradSlots.along(layout), params, present)
+    flatten_local_grads(flat, GradSlots.for_layout(layout), params, present)
     assert torch.equal(flat, expected)
     assert present == [True, False, True]
     assert all(p.grad is None for p in params)
@@ -42,7 +43,7 @@ def test_flatten_packs_trainable_gradients_and_skips_frozen_slots() -> None:
     params[2].grad = torch.full((3,), 2.0)
     flat = torch.full((9,), float("nan"))
     present = [False, False, False]
-    flatten_local_grads(flat, GradSlots.packed(layout), params, present)
+    flatten_local_grads(flat, GradSlots.for_layout(layout), params, present)
     assert torch.equal(flat, torch.tensor([1.0] * 6 + [2.0] * 3))
     assert present == [True, False, True]
 

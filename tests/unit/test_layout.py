@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwrap.layout import FlatLayout, GradSlots, padded_numel, piece_of, shard_range
+from shardwrap.layout import FlatLayout, padded_numel, piece_of, shard_range
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 layouts = st.builds(
@@ -111,38 +111,3 @@ def test_layout_sizes_match_shapes():
 def test_bad_numbers_are_rejected(call):
     with pytest.raises(ValueError):
         call()
-
-
-mixed_layouts = st.builds(
-    lambda entries, num_shards: FlatLayout.build(
-        [(f"p{i}", shape, trains) for i, (shape, trains) in enumerate(entries)], num_shards
-    ),
-    st.lists(st.tuples(shapes, st.booleans()), min_size=0, max_size=6),
-    st.integers(1, 8),
-)
-
-
-@given(mixed_layouts)
-def test_packed_slots_hold_the_trainable_parameters_end_to_end(layout):
-    slots = GradSlots.packed(layout)
-    trainable = [info for info in layout.params if info.requires_grad]
-    ranges = [r for r in slots.ranges if r is not None]
-    assert len(ranges) == len(trainable)
-    assert all(
-        (r is None) == (not info.requires_grad)
-        for r, info in zip(slots.ranges, layout.params, strict=True)
-    )
-    # in layout order, each the parameter's size, no gap, no padding
-    position = 0
-    for (start, end), info in zip(ranges, trainable, strict=True):
-        assert (start, end - start) == (position, info.numel)
-        position = end
-    assert slots.numel == slots.filled_numel == sum(i.numel for i in trainable)
-
-
-@given(mixed_layouts)
-def test_slots_along_the_layout_are_its_offsets_and_padding(layout):
-    slots = GradSlots.along(layout)
-    assert slots.ranges == tuple((i.offset, i.end) for i in layout.params)
-    assert slots.numel == layout.padded_numel
-    assert slots.filled_numel == layout.unpadded_numel
