@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import FlatLayout
+from .layout import FlatLayout, ShardPiece, piece_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +50,10 @@ class Segment:
 class GradSlots:
     """A unit's flat gradient buffer: ``num_chunks`` chunks of ``chunk_numel`` elements.
 
-    ``segments[i]``: where parameter ``i``'s gradient goes, one segment per chunk that
-    holds some of it (none for a frozen parameter). ``gaps``: the ranges no segment
-    covers, zeros on the wire.
+    ``segments[i]``: where parameter ``i``'s gradient goes: one contiguous segment when
+    the buffer follows the parameter layout, else one per chunk that holds some of it
+    (none for a frozen parameter). ``gaps``: the ranges no segment covers, zeros on the
+    wire.
     """
 
     segments: tuple[tuple[Segment, ...], ...]
@@ -66,37 +67,45 @@ class GradSlots:
 
     @staticmethod
     def for_layout(layout: FlatLayout) -> GradSlots:
-        """The buffer of [Note: packed gradients] for ``layout``."""
-        num_chunks = layout.num_shards
-        chunks = [
-            [
-                (index, piece)
-                for index, (info, piece) in enumerate(
-                    zip(layout.params, layout.pieces(rank), strict=True)
-                )
-                if info.requires_grad and piece.numel
-            ]
-            for rank in range(num_chunks)
-        ]
-        used = [sum(piece.numel for _, piece in chunk) for chunk in chunks]
-        all_trainable = all(info.requires_grad for info in layout.params)
-        chunk_numel = layout.shard_numel if all_trainable else max(used, default=0)
-        segments: list[list[Segment]] = [[] for _ in layout.params]
-        gaps = []
-        for rank, chunk in enumerate(chunks):
+        """The buffer of [Note: packed gradients] for ``layout``.
+
+        Work grows with the number of parameter pieces, not with parameters times ranks.
+        """
+        if all(info.requires_grad for info in layout.params):  # the parameter layout
+            segments = tuple(
+                (Segment(0, info.numel, info.offset),) if info.numel else ()
+                for info in layout.params
+            )
+            gaps = ((layout.unpadded_numel, layout.padded_numel),) if layout.num_padding else ()
+            return GradSlots(segments, layout.num_shards, layout.shard_numel, gaps)
+        pieces_by_rank: dict[int, list[tuple[int, ShardPiece]]] = {}
+        for index, info in enumerate(layout.params):
+            if info.requires_grad:
+                for rank in layout.owners(index):
+                    piece = piece_of(info, *layout.shard_range(rank))
+                    pieces_by_rank.setdefault(rank, []).append((index, piece))
+        used = {r: sum(p.numel for _, p in pieces) for r, pieces in pieces_by_rank.items()}
+        chunk_numel = max(used.values(), default=0)
+        placed: list[list[Segment]] = [[] for _ in layout.params]
+        for rank, pieces in pieces_by_rank.items():
             position = rank * chunk_numel
-            for index, piece in chunk:
-                segments[index].append(Segment(piece.param_start, piece.param_end, position))
+            for index, piece in pieces:
+                placed[index].append(Segment(piece.param_start, piece.param_end, position))
                 position += piece.numel
-            if used[rank] < chunk_numel:
-                gaps.append((position, (rank + 1) * chunk_numel))
-        return GradSlots(tuple(map(tuple, segments)), num_chunks, chunk_numel, tuple(gaps))
+        gaps = tuple(
+            (rank * chunk_numel + used.get(rank, 0), (rank + 1) * chunk_numel)
+            for rank in range(layout.num_shards)
+            if used.get(rank, 0) < chunk_numel
+        )
+        return GradSlots(tuple(map(tuple, placed)), layout.num_shards, chunk_numel, gaps)
 
     def piece_in_chunk(self, index: int, chunk: int) -> tuple[int, int]:
         """Parameter ``index``'s ``[start, end)`` inside reduced chunk ``chunk``
         (``(0, 0)`` when the chunk holds none of it)."""
         base = chunk * self.chunk_numel
         for segment in self.segments[index]:
-            if base <= segment.start < base + self.chunk_numel:
-                return segment.start - base, segment.end - base
+            start = max(segment.start, base)
+            end = min(segment.end, base + self.chunk_numel)
+            if start < end:  # a parameter's elements in one chunk are contiguous
+                return start - base, end - base
         return 0, 0
