@@ -61,18 +61,15 @@ class FlatGradMixin:
         # Where local gradients go before the reduction: [Note: packed gradients]
         self.grad_slots = GradSlots.for_layout(self.layout)
         # Each parameter's [start, end) in this rank's reduced chunk.
-        rank = self.shard_comm.rank if self.num_shards > 1 else 0
         self._reduced_pieces = [
-            self.grad_slots.piece_in_chunk(index, rank) for index in range(len(self.layout.params))
+            self.grad_slots.piece_in_chunk(index, self.shard_comm.rank)
+            for index in range(len(self.layout.params))
         ]
         # Reduced gradient of this backward, waiting for the presence vote (1D, a chunk).
         self.pending_grad_shard: torch.Tensor | None = None
         self.local_grad_present = [False] * len(self.layout.params)
         self._reductions: list[_Reduction] = []  # gradient reductions issued, not yet waited
         self._grad_buffer = ReusableGradBuffer()  # plain data parallel only
-
-    def has_local_grads(self) -> bool:
-        return any(p.grad is not None for p in self.full_params)
 
     def start_reduce_grads(self, scratch: ScratchPool | None = None) -> None:
         """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it.
@@ -141,10 +138,6 @@ class FlatGradMixin:
             self.pending_grad_shard = reduced
         else:
             self.pending_grad_shard.add_(reduced)
-
-    @property
-    def reduce_in_flight(self) -> bool:
-        return bool(self._reductions)
 
     def _flatten_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         flat_grad = out
