@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,14 @@ def _setup_before(lines: list[str]) -> str:
     return match.group(1).strip() if match else ""
 
 
-def _run_page(snippets: list[Snippet], folder: str) -> str | None:
-    """Run one page's snippets; ``None`` or the traceback of the first failure."""
+def _run_page(snippets: list[Snippet], folder: str, sync: Callable[[], None]) -> str | None:
+    """Run one page's snippets; ``None`` or the traceback of the first failure.
+
+    Every rank runs every snippet in one shared folder (a checkpoint is written there by
+    all ranks and read back by all), so ``sync()`` runs after each snippet: a file that
+    every rank writes (``ds_config.json``) is complete everywhere before any rank's next
+    snippet reads it.
+    """
     namespace: dict = {"__name__": "__snippet__"}
     os.makedirs(folder, exist_ok=True)
     os.chdir(folder)
@@ -91,6 +98,7 @@ def _run_page(snippets: list[Snippet], folder: str) -> str | None:
             # Leading blank lines make tracebacks show the page's own line numbers.
             source = "\n" * (snippet.line - 1) + snippet.code
             exec(compile(source, snippet.page, "exec"), namespace)
+            sync()
         except BaseException:  # noqa: BLE001 - reported per page to the parent
             report = f"{snippet.page}:{snippet.line}:\n{traceback.format_exc()}"
             # Also now: a failure on one rank can leave the other in a collective, and the
@@ -111,7 +119,7 @@ def snippets_worker(rank: int, world_size: int, work_root: str, by_page: dict) -
     try:
         for page, snippets in by_page.items():
             folder = os.path.join(work_root, page.replace("/", "_"))
-            results[page] = (len(snippets), _run_page(snippets, folder))
+            results[page] = (len(snippets), _run_page(snippets, folder, dist.barrier))
             dist.barrier()  # both ranks finished the page before the next one starts
     finally:
         dist.init_process_group, dist.destroy_process_group = real_init, real_destroy
