@@ -9,13 +9,14 @@ work itself is in :mod:`.grad_transfer`; where each gradient goes in the flat bu
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .grad_buffer import ReusableGradBuffer, ScratchPool
-from .grad_slots import GradSlots
+from .grad_slots import GradSlots, chunk_split
 from .grad_transfer import assign_reduced, flatten_local_grads
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class FlatGradMixin:
 
     def _init_grads(self) -> None:
         # Fixed at wrap time, as the layout's flags are; a unit with none never reduces.
-        self.has_trainable_params = any(info.requires_grad for info in self.layout.params)
+        self.wrapped_requires_grad = [info.requires_grad for info in self.layout.params]
+        self.has_trainable_params = any(self.wrapped_requires_grad)
         # Where local gradients go before the reduction: [Note: packed gradients]
         self.grad_slots = GradSlots.for_layout(self.layout)
         # Each parameter's [start, end) in this rank's reduced chunk.
@@ -65,6 +67,8 @@ class FlatGradMixin:
             self.grad_slots.piece_in_chunk(index, self.shard_comm.rank)
             for index in range(len(self.layout.params))
         ]
+        # How one split_with_sizes cuts the chunk into those pieces (None: slice each).
+        self._chunk_split = chunk_split(self._reduced_pieces, self.grad_slots.chunk_numel)
         # Reduced gradient of this backward, waiting for the presence vote (1D, a chunk).
         self.pending_grad_shard: torch.Tensor | None = None
         self.local_grad_present = [False] * len(self.layout.params)
@@ -152,7 +156,7 @@ class FlatGradMixin:
         self.pending_grad_shard = None
         self.local_grad_present = [False] * len(self.full_params)
         if pending is not None:
-            piece_of = functools.partial(self._grad_piece, pending)
+            piece_of = self._piece_finder(pending)
             assign_reduced(
                 self.shard_params,
                 piece_of,
@@ -160,6 +164,23 @@ class FlatGradMixin:
                 global_present,
                 pending_is_kept=self._pending_is_kept,
             )
+
+    def _piece_finder(self, reduced_chunk: torch.Tensor) -> Callable[[int], torch.Tensor]:
+        """``index -> _grad_piece(reduced_chunk, index)``, with the chunk cut up once."""
+        if self._chunk_split is None:
+            return functools.partial(self._grad_piece, reduced_chunk)
+        sizes, part_of = self._chunk_split
+        parts = reduced_chunk.split_with_sizes(sizes) if sizes else ()
+        params = self.layout.params
+        one_shard = self.num_shards == 1
+
+        def piece(index: int) -> torch.Tensor:
+            part = part_of[index]
+            if part is None:
+                return self._grad_piece(reduced_chunk, index)
+            return parts[part].view(params[index].shape) if one_shard else parts[part]
+
+        return piece
 
     def _grad_piece(self, reduced_chunk: torch.Tensor, index: int) -> torch.Tensor:
         # Parameter ``index``'s part of this rank's reduced chunk, shaped like its shard view.

@@ -60,6 +60,10 @@ class GradSlots:
     num_chunks: int
     chunk_numel: int
     gaps: tuple[tuple[int, int], ...]
+    # The trainable parameters, in order, when their gradients lie whole and end to end
+    # from element 0 (every unit without frozen parameters, any one-shard unit): the
+    # buffer is then their concatenation followed by the gaps. None otherwise.
+    end_to_end: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -77,7 +81,13 @@ class GradSlots:
                 for info in layout.params
             )
             gaps = ((layout.unpadded_numel, layout.padded_numel),) if layout.num_padding else ()
-            return GradSlots(segments, layout.num_shards, layout.shard_numel, gaps)
+            return GradSlots(
+                segments,
+                layout.num_shards,
+                layout.shard_numel,
+                gaps,
+                _end_to_end(layout, segments),
+            )
         pieces_by_rank: dict[int, list[tuple[int, ShardPiece]]] = {}
         for index, info in enumerate(layout.params):
             if info.requires_grad:
@@ -97,7 +107,10 @@ class GradSlots:
             for rank in range(layout.num_shards)
             if used.get(rank, 0) < chunk_numel
         )
-        return GradSlots(tuple(map(tuple, placed)), layout.num_shards, chunk_numel, gaps)
+        segments = tuple(map(tuple, placed))
+        return GradSlots(
+            segments, layout.num_shards, chunk_numel, gaps, _end_to_end(layout, segments)
+        )
 
     def piece_in_chunk(self, index: int, chunk: int) -> tuple[int, int]:
         """Parameter ``index``'s ``[start, end)`` inside reduced chunk ``chunk``
@@ -109,3 +122,45 @@ class GradSlots:
             if start < end:  # a parameter's elements in one chunk are contiguous
                 return start - base, end - base
         return 0, 0
+
+
+def _end_to_end(
+    layout: FlatLayout, segments: tuple[tuple[Segment, ...], ...]
+) -> tuple[int, ...] | None:
+    """``GradSlots.end_to_end`` of ``segments``."""
+    trainable = tuple(i for i, info in enumerate(layout.params) if info.requires_grad)
+    position = 0
+    for index in trainable:
+        numel = layout.params[index].numel
+        if numel and segments[index] != (Segment(0, numel, position),):
+            return None
+        position += numel
+    return trainable
+
+
+def chunk_split(
+    pieces: list[tuple[int, int]], chunk_numel: int
+) -> tuple[tuple[int, ...], tuple[int | None, ...]] | None:
+    """Cut a reduced chunk into every parameter's piece with one ``split_with_sizes``.
+
+    ``pieces``: each parameter's ``[start, end)`` in the chunk (``(0, 0)``: none). Returns
+    the sizes to split the chunk by (gaps included) and, per parameter, which part is its
+    piece (None for an empty piece); None when the pieces are not in parameter order.
+    """
+    sizes: list[int] = []
+    part_of: list[int | None] = []
+    position = 0
+    for start, end in pieces:
+        if start == end:
+            part_of.append(None)
+            continue
+        if start < position:
+            return None
+        if start > position:
+            sizes.append(start - position)
+        part_of.append(len(sizes))
+        sizes.append(end - start)
+        position = end
+    if position < chunk_numel:
+        sizes.append(chunk_numel - position)
+    return tuple(sizes), tuple(part_of)

@@ -183,19 +183,22 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _attach_post_backward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    leaves, spec = tree_flatten((args, kwargs))
+    # Positional tensors alone (a block called as ``block(x)``) need no pytree round trip,
+    # which costs more than the rest of the hook on a small unit.
+    plain = not kwargs and all(isinstance(x, torch.Tensor) for x in args)
+    leaves, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs
     outputs = _PostBackward.apply(unit, *(leaves[i] for i in positions))
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
-    return tree_unflatten(leaves, spec)
+    return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
 
 
 def _register_pre_backward(unit: Unit, output: Any) -> bool:
     """Hook the outputs that need a gradient; whether there was any."""
-    leaves, _ = tree_flatten(output)
+    leaves = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
     hooked = False
     for x in leaves:
         if isinstance(x, torch.Tensor) and x.requires_grad:
@@ -207,6 +210,8 @@ def _register_pre_backward(unit: Unit, output: Any) -> bool:
 def _check_requires_grad(handle: FlatParamHandle) -> None:
     # The flags are part of the layout (which slots reduce, what the optimizer holds), so
     # a change after wrapping would be silently ignored: a frozen parameter kept training.
+    if [p.requires_grad for p in handle.shard_params] == handle.wrapped_requires_grad:
+        return
     for info, param in zip(handle.layout.params, handle.shard_params, strict=True):
         if param.requires_grad != info.requires_grad:
             raise RuntimeError(

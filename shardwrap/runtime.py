@@ -60,10 +60,11 @@ class _PresenceVote:
     def finish(self) -> None:
         """Wait, then hand each handle's reduced gradient to the shard views that got one."""
         self.work.wait()
+        flags = [bool(f) for f in self.flags.tolist()]
         start = 0
         for handle in self.handles:
             count = len(handle.local_grad_present)
-            handle.assign_grads([bool(f) for f in self.flags[start : start + count].tolist()])
+            handle.assign_grads(flags[start : start + count])
             start += count
 
 

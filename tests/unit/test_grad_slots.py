@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwrap.grad_slots import GradSlots
+from shardwrap.grad_slots import GradSlots, chunk_split
 from shardwrap.layout import FlatLayout
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
@@ -91,3 +91,45 @@ def test_a_simulated_reduce_scatter_gives_each_rank_its_shards_sum(layout, num_r
                 continue
             expected = sum(r[index][piece.param_start : piece.param_end] for r in grads)
             torch.testing.assert_close(chunks[rank][start:end], expected)
+
+
+@given(mixed_layouts)
+def test_end_to_end_slots_are_the_trainable_gradients_concatenated(layout):
+    slots = GradSlots.for_layout(layout)
+    trainable = [i for i, info in enumerate(layout.params) if info.requires_grad]
+    if layout.num_shards == 1 or len(trainable) == len(layout.params):
+        assert slots.end_to_end == tuple(trainable)  # the common layouts take the fast path
+    if slots.end_to_end is None:
+        return
+    position = 0
+    for index in slots.end_to_end:
+        numel = layout.params[index].numel
+        assert [(s.param_start, s.param_end, s.start) for s in slots.segments[index]] == (
+            [(0, numel, position)] if numel else []
+        )
+        position += numel
+    assert all(start >= position for start, _ in slots.gaps)  # gaps only after them
+    assert position + sum(end - start for start, end in slots.gaps) == slots.numel
+
+
+@given(mixed_layouts, st.data())
+def test_chunk_split_cuts_every_parameters_piece(layout, data):
+    slots = GradSlots.for_layout(layout)
+    rank = data.draw(st.integers(0, layout.num_shards - 1))
+    pieces = [slots.piece_in_chunk(i, rank) for i in range(len(layout.params))]
+    split = chunk_split(pieces, slots.chunk_numel)
+    assert split is not None  # pieces inside one chunk always follow parameter order
+    sizes, part_of = split
+    assert sum(sizes) == slots.chunk_numel
+    chunk = torch.arange(slots.chunk_numel)
+    parts = chunk.split_with_sizes(sizes) if sizes else ()
+    for (start, end), part in zip(pieces, part_of):
+        if start == end:
+            assert part is None
+        else:
+            assert torch.equal(parts[part], chunk[start:end])
+
+
+def test_chunk_split_refuses_pieces_out_of_order():
+    assert chunk_split([(4, 6), (0, 4)], 6) is None
+    assert chunk_split([(0, 0), (2, 3)], 5) == ((2, 1, 2), (None, 1))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from shardwrap.grad_slots import GradSlots
-from shardwrap.grad_transfer import assign_reduced, flatten_local_grads
+from shardwrap.grad_transfer import _flatten_end_to_end, assign_reduced, flatten_local_grads
 from shardwrap.layout import FlatLayout
 
 SHAPES = [("a", (2, 3), True), ("b", (4,), True), ("c", (3,), True)]
@@ -88,3 +92,45 @@ def test_assign_hands_out_views_of_a_kept_buffer_despite_a_dead_slot() -> None:
     assign_reduced(params, _pieces(later, layout), later, present, pending_is_kept=True)
     assert torch.equal(params[2].grad, pending[10:13])  # added to the same storage
     assert torch.equal(pending[10:13], torch.tensor([11.0, 12.0, 13.0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=1, max_size=5),
+    st.integers(1, 4),
+    st.data(),
+)
+def test_the_concatenating_fast_path_writes_what_the_slice_path_writes(entries, shards, data):
+    shapes = [(f"p{i}", (numel,), trains) for i, (numel, trains) in enumerate(entries)]
+    layout = FlatLayout.build(shapes, num_shards=shards)
+    slots = GradSlots.for_layout(layout)
+    has_grad = data.draw(st.lists(st.booleans(), min_size=len(shapes), max_size=len(shapes)))
+    buffers, presents = [], []
+    for use_fast_path in (True, False):
+        params = [nn.Parameter(torch.zeros(s), requires_grad=t) for _, s, t in shapes]
+        for index, (param, (_, _, trains)) in enumerate(zip(params, shapes)):
+            if trains and has_grad[index]:
+                param.grad = torch.arange(param.numel(), dtype=torch.float32) + 100 * index
+        flat = torch.full((slots.numel,), float("nan"))
+        present = [False] * len(shapes)
+        chosen = slots if use_fast_path else dataclasses.replace(slots, end_to_end=None)
+        with torch.no_grad():  # as in backward, where the fast path applies
+            flatten_local_grads(flat, chosen, params, present)
+        assert all(p.grad is None for p in params)
+        buffers.append(flat)
+        presents.append(present)
+    assert torch.equal(buffers[0], buffers[1])  # no NaN left either: every element written
+    assert presents[0] == presents[1]
+
+
+def test_the_fast_path_runs_when_every_trainable_gradient_is_there() -> None:
+    layout = FlatLayout.build(SHAPES, num_shards=4)
+    params = _params_with_grads()
+    flat = torch.full((layout.padded_numel,), float("nan"))
+    present = [False] * 3
+    with torch.no_grad():
+        assert _flatten_end_to_end(flat, GradSlots.for_layout(layout), params, present)
+    assert torch.equal(flat[13:], torch.zeros(3)) and present == [True] * 3
+    params = _params_with_grads(missing="b")  # a missing gradient takes the slice path
+    with torch.no_grad():
+        assert not _flatten_end_to_end(flat, GradSlots.for_layout(layout), params, present)
