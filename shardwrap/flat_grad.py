@@ -8,7 +8,6 @@ work itself is in :mod:`.grad_transfer`; where each gradient goes in the flat bu
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,7 +66,7 @@ class FlatGradMixin:
             self.grad_slots.piece_in_chunk(index, self.shard_comm.rank)
             for index in range(len(self.layout.params))
         ]
-        # How one split_with_sizes cuts the chunk into those pieces (None: slice each).
+        # How one split_with_sizes cuts the chunk into those pieces.
         self._chunk_split = chunk_split(self._reduced_pieces, self.grad_slots.chunk_numel)
         # Reduced gradient of this backward, waiting for the presence vote (1D, a chunk).
         self.pending_grad_shard: torch.Tensor | None = None
@@ -167,8 +166,6 @@ class FlatGradMixin:
 
     def _piece_finder(self, reduced_chunk: torch.Tensor) -> Callable[[int], torch.Tensor]:
         """``index -> _grad_piece(reduced_chunk, index)``, with the chunk cut up once."""
-        if self._chunk_split is None:
-            return functools.partial(self._grad_piece, reduced_chunk)
         sizes, part_of = self._chunk_split
         parts = reduced_chunk.split_with_sizes(sizes) if sizes else ()
         params = self.layout.params

@@ -89,7 +89,6 @@ class FlatParamHandle(FlatGradMixin):
         self.strategy = strategy
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
-        self.sites = sites
         # (module, attribute, parameter index) of every site, for _show's one flat loop.
         self._site_slots = [
             (site.module, site.attr, index)

@@ -140,12 +140,13 @@ def _end_to_end(
 
 def chunk_split(
     pieces: list[tuple[int, int]], chunk_numel: int
-) -> tuple[tuple[int, ...], tuple[int | None, ...]] | None:
+) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
     """Cut a reduced chunk into every parameter's piece with one ``split_with_sizes``.
 
-    ``pieces``: each parameter's ``[start, end)`` in the chunk (``(0, 0)``: none). Returns
-    the sizes to split the chunk by (gaps included) and, per parameter, which part is its
-    piece (None for an empty piece); None when the pieces are not in parameter order.
+    ``pieces``: each parameter's ``[start, end)`` in the chunk (``(0, 0)``: none), in
+    parameter order, as every chunk of :class:`GradSlots` holds them. Returns the sizes to
+    split the chunk by (gaps included) and, per parameter, which part is its piece (None
+    for an empty piece).
     """
     sizes: list[int] = []
     part_of: list[int | None] = []
@@ -155,7 +156,7 @@ def chunk_split(
             part_of.append(None)
             continue
         if start < position:
-            return None
+            raise ValueError(f"pieces: ({start}, {end}) starts before the one before ends")
         if start > position:
             sizes.append(start - position)
         part_of.append(len(sizes))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -117,9 +118,7 @@ def test_chunk_split_cuts_every_parameters_piece(layout, data):
     slots = GradSlots.for_layout(layout)
     rank = data.draw(st.integers(0, layout.num_shards - 1))
     pieces = [slots.piece_in_chunk(i, rank) for i in range(len(layout.params))]
-    split = chunk_split(pieces, slots.chunk_numel)
-    assert split is not None  # pieces inside one chunk always follow parameter order
-    sizes, part_of = split
+    sizes, part_of = chunk_split(pieces, slots.chunk_numel)  # never out of order here
     assert sum(sizes) == slots.chunk_numel
     chunk = torch.arange(slots.chunk_numel)
     parts = chunk.split_with_sizes(sizes) if sizes else ()
@@ -131,5 +130,6 @@ def test_chunk_split_cuts_every_parameters_piece(layout, data):
 
 
 def test_chunk_split_refuses_pieces_out_of_order():
-    assert chunk_split([(4, 6), (0, 4)], 6) is None
+    with pytest.raises(ValueError, match="pieces"):
+        chunk_split([(4, 6), (0, 4)], 6)
     assert chunk_split([(0, 0), (2, 3)], 5) == ((2, 1, 2), (None, 1))
