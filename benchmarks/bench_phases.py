@@ -58,12 +58,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class _GcClock:
-    """Seconds spent in the cyclic garbage collector (a ``gc.callbacks`` entry)."""
+    """Seconds spent in the cyclic garbage collector, while installed as a ``gc.callbacks``
+    entry (``with _GcClock() as clock``)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._start = 0.0
+
+    def __enter__(self) -> _GcClock:
         gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -72,30 +79,27 @@ class _GcClock:
             self.seconds += time.perf_counter() - self._start
 
 
-_GC = _GcClock()
-
-
-def _timed(fn, costs: dict[str, float], phase: str) -> tuple[object, float]:
+def _timed(fn, costs: dict[str, float], phase: str, clock: _GcClock) -> tuple[object, float]:
     dist.barrier()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    gc_before = _GC.seconds
+    gc_before = clock.seconds
     start = time.perf_counter()
     out = fn()
     elapsed = time.perf_counter() - start
     costs[f"faults_{phase}"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    costs[f"gc_{phase}"] = _GC.seconds - gc_before
+    costs[f"gc_{phase}"] = clock.seconds - gc_before
     return out, elapsed
 
 
-def _one_step(trainer, inputs, targets) -> dict[str, float]:
+def _one_step(trainer, inputs, targets, clock: _GcClock) -> dict[str, float]:
     """One training step's phase times (s), page faults and gc time, and its loss."""
     record: dict[str, float] = {}
     trainer.optimizer.zero_grad()
     loss, record["forward"] = _timed(
-        lambda: gpt.loss_fn(trainer.model(inputs), targets), record, "forward"
+        lambda: gpt.loss_fn(trainer.model(inputs), targets), record, "forward", clock
     )
-    _, record["backward"] = _timed(loss.backward, record, "backward")
-    _, record["optimizer"] = _timed(trainer.optimizer.step, record, "optimizer")
+    _, record["backward"] = _timed(loss.backward, record, "backward", clock)
+    _, record["optimizer"] = _timed(trainer.optimizer.step, record, "optimizer", clock)
     record["loss"] = float(loss.detach())
     return record
 
@@ -112,14 +116,15 @@ def measure(
         for impl in impls
     }
     records: dict[str, list[dict[str, float]]] = {impl: [] for impl in impls}
-    for index in range(warmup + steps):
-        inputs, targets = gpt.batch(config, step=index, rank=rank, batch_size=batch)
-        # Rotate the order so no implementation always runs right after another one.
-        order = impls[index % len(impls) :] + impls[: index % len(impls)]
-        for impl in order:
-            record = _one_step(trainers[impl], inputs, targets)
-            if index >= warmup:
-                records[impl].append(record)
+    with _GcClock() as clock:
+        for index in range(warmup + steps):
+            inputs, targets = gpt.batch(config, step=index, rank=rank, batch_size=batch)
+            # Rotate the order so no implementation always runs right after another one.
+            order = impls[index % len(impls) :] + impls[: index % len(impls)]
+            for impl in order:
+                record = _one_step(trainers[impl], inputs, targets, clock)
+                if index >= warmup:
+                    records[impl].append(record)
     by_rank: list = [None] * world_size
     dist.all_gather_object(by_rank, records)
     return {impl: _summarize([r[impl] for r in by_rank]) for impl in impls}
