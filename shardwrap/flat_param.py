@@ -21,9 +21,20 @@ shard in host memory (``separate_full``; see ``[Note: mixed-precision data flow]
 [Note: version counters]
 Writing gathered data into ``flat_full`` must not bump its autograd version counter:
 tensors saved for backward alias it, and the re-gather before backward writes the very
-same values back. ``flat_shard``'s counter, on the other hand, is how we know the gathered
-copy is stale: every in-place update of a shard view (an optimizer step, a user edit)
-bumps the counter it shares with ``flat_shard``.
+same values back. ``flat_shard``'s counter, on the other hand, tells us when the gathered
+copy is stale: an in-place update of a shard view through autograd's in-place ops (a
+for-loop or foreach optimizer step, a user edit under ``no_grad``) bumps the counter it
+shares with ``flat_shard``.
+
+[Note: optimizer steps that bump no version]
+The counter alone is not enough. Fused optimizer kernels (``AdamW(fused=True)``, the
+default choice of some frameworks on GPUs) write parameters without bumping their version
+counters, so a gathered copy kept across the step (ZeRO-1, a low-precision or device copy
+of a one-shard unit) looked current and the next forward computed with the parameters of
+the step before. Every optimizer step over a handle's shard views therefore also counts
+as an update: the root's optimizer step post-hook calls :meth:`note_shard_updated`, and
+the gathered copy is current only when both the counter and the number of such steps are
+what they were when it was gathered (:attr:`shard_version`).
 """
 
 from __future__ import annotations
@@ -44,6 +55,8 @@ from .options import ShardingStrategy
 
 # (unit name, number of elements, dtype) -> a 1-D tensor to hold the unit's shard.
 ShardAllocator = Callable[[str, int, torch.dtype], torch.Tensor]
+# (flat_shard's autograd version, optimizer steps over it); see FlatParamHandle.shard_version.
+ShardVersion = tuple[int, int]
 
 
 class ShardedState(enum.Enum):
@@ -131,11 +144,13 @@ class FlatParamHandle(FlatGradMixin):
         )
         self.full_params = [self._make_full_view(i) for i in range(len(params))]
         self.shard_params = [self._make_shard_view(i) for i in range(len(params))]
-        self._gathered_version: int | None = None  # flat_shard._version at the last gather
+        # Optimizer steps over the shard views; see [Note: optimizer steps that bump no version].
+        self._num_shard_updates = 0
+        self._gathered_version: ShardVersion | None = None  # shard_version at the last gather
         self._gather_work: Any = None  # an all-gather issued ahead (prefetch), not yet waited
         self._gather_input: torch.Tensor | None = None  # its input, alive until it is done
         self._gather_staged: StagedShard | None = None  # CPUOffload: its input and copy event
-        self._gather_version: int | None = None  # flat_shard._version when it was issued
+        self._gather_version: ShardVersion | None = None  # shard_version when it was issued
         # Restores flat_full's autograd version to what it was before that all-gather.
         self._gather_version_guard: Any = None
         self._init_grads()
@@ -193,8 +208,20 @@ class FlatParamHandle(FlatGradMixin):
 
     # ------------------------------------------------------------ transitions
     @property
+    def shard_version(self) -> ShardVersion:
+        """Changes whenever the shard may have changed: ``flat_shard``'s autograd version
+        and the number of optimizer steps over it ([Note: optimizer steps that bump no
+        version]).
+        """
+        return (self.flat_shard._version, self._num_shard_updates)
+
+    def note_shard_updated(self) -> None:
+        """An optimizer stepped this handle's shard views: the gathered copy is stale."""
+        self._num_shard_updates += 1
+
+    @property
     def full_is_current(self) -> bool:
-        return self._gathered_version == self.flat_shard._version
+        return self._gathered_version == self.shard_version
 
     def unshard(self) -> None:
         """Gather the full parameters (if stale) and show them on the module."""
@@ -215,7 +242,7 @@ class FlatParamHandle(FlatGradMixin):
         """
         if self._gather_work is not None or self.full_is_current:
             return
-        version = self.flat_shard._version
+        version = self.shard_version
         if self.separate_full:
             self._allocate_full()
             shard = self._gather_source()
@@ -268,11 +295,11 @@ class FlatParamHandle(FlatGradMixin):
     def gather_in_flight(self) -> bool:
         return self._gather_work is not None
 
-    def accept_gathered(self, full_by_rank: torch.Tensor, *, version: int) -> None:
+    def accept_gathered(self, full_by_rank: torch.Tensor, *, version: ShardVersion) -> None:
         """Take the gathered parameters from a fused all-gather ([Note: all-gather buckets]).
 
         ``full_by_rank``: ``(num_shards, shard_numel)``, rank r's shard in row r;
-        ``version``: ``flat_shard._version`` when the shards were read.
+        ``version``: :attr:`shard_version` when the shards were read.
         """
         self._allocate_full()
         # As for a plain all-gather: see [Note: version counters].
@@ -280,7 +307,7 @@ class FlatParamHandle(FlatGradMixin):
             self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)
         self._gathered_version = version
 
-    def adopt_gather(self, work: Any, *, version: int) -> None:
+    def adopt_gather(self, work: Any, *, version: ShardVersion) -> None:
         """Make ``work``, a fused all-gather in flight that fills ``flat_full`` through
         :meth:`accept_gathered`, this unit's gather in flight ([Note: all-gather buckets]).
         """

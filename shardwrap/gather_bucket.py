@@ -89,7 +89,7 @@ class FusedGather:
     def __init__(self, members: list[FlatParamHandle]) -> None:
         first = members[0]
         self.members = members
-        self.versions = [h.flat_shard._version for h in members]
+        self.versions = [h.shard_version for h in members]
         # 1D: each member's shard, cast to the compute dtype on the compute device (staged
         # from host memory under CPUOffload, which each member's wait completes), end to
         # end; alive until the collective is done

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
@@ -84,6 +85,15 @@ class StepRuntime:
         self._step_hooks: list = []
         for unit in units:
             unit.runtime = self
+        # id(shard view) -> its handle, for the step post-hook; the views live as long as
+        # their handle, so ids stay valid.
+        self._handle_of_shard = {
+            id(param): u.handle
+            for u in units
+            if u.handle is not None
+            for param in u.handle.shard_params
+        }
+        self._install_step_post_hook()
         if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
             self._install_optimizer_hooks()
             _LIVE_RUNTIMES.add(self)
@@ -211,6 +221,29 @@ class StepRuntime:
                 runtime.reduce_deferred_grads()
 
         self._step_hooks.append(register_optimizer_step_pre_hook(before_step))
+
+    def _install_step_post_hook(self) -> None:
+        ref = weakref.ref(self)
+
+        def after_step(optimizer, args, kwargs):
+            runtime = ref()
+            if runtime is not None:
+                runtime.note_step(optimizer)
+
+        self._step_hooks.append(register_optimizer_step_post_hook(after_step))
+
+    def note_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` stepped: every handle whose shard views it holds has a stale
+        gathered copy ([Note: optimizer steps that bump no version] in ``flat_param.py``).
+        """
+        stepped: dict[int, FlatParamHandle] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                handle = self._handle_of_shard.get(id(param))
+                if handle is not None:
+                    stepped[id(handle)] = handle
+        for handle in stepped.values():
+            handle.note_shard_updated()
 
     def remove_hooks(self) -> None:
         _LIVE_RUNTIMES.discard(self)
