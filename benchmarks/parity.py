@@ -1,0 +1,119 @@
+"""Train DDP and shardwrap strategies from the same weights and batches; compare them.
+
+Used by ``bench_parity.py`` (the benchmark's numerics check) and by the parity matrix
+test. Everything runs inside an initialised process group; each call builds a fresh
+model with :func:`benchmarks.gpt.build`, so every implementation starts from the same
+weights, and every rank reads its own batch of each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks import gpt
+from benchmarks.optimizers import OptimizerFactory
+
+# Every strategy shardwrap offers; hybrids need their shard size (see ``wrap``).
+STRATEGIES = (
+    "FULL_SHARD",
+    "SHARD_GRAD_OP",
+    "SHARD_OPTIM",
+    "NO_SHARD",
+    "HYBRID_SHARD",
+    "HYBRID_SHARD_ZERO2",
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: the mean loss of each step and the full state at the end."""
+
+    losses: list[float]
+    state: dict[str, torch.Tensor]
+
+
+def wrap(model: nn.Module, impl: str, *, hybrid_shard_size: int = 0, **options) -> nn.Module:
+    """``model`` wrapped by DDP (``impl == "DDP"``) or by shardwrap with strategy ``impl``
+    and further ``ShardedModule`` ``options``.
+    """
+    if impl == "DDP":
+        return DistributedDataParallel(model)
+    import shardwrap
+    from shardwrap.wrap import ModuleWrapPolicy
+
+    kwargs = dict(options)
+    if impl.startswith("HYBRID"):
+        kwargs["process_group"] = shardwrap.hybrid_process_groups(hybrid_shard_size)
+    return shardwrap.ShardedModule(
+        model,
+        sharding_strategy=impl,
+        auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
+        **kwargs,
+    )
+
+
+def train(
+    config: gpt.GPTConfig,
+    impl: str,
+    make_optimizer: OptimizerFactory,
+    *,
+    num_steps: int,
+    batch_size: int = 2,
+    hybrid_shard_size: int = 0,
+    **options,
+) -> Run:
+    """Train ``impl`` for ``num_steps`` steps on this rank's batches; losses are means over
+    ranks, the state is the full (unsharded) state dict after the last step. ``options``
+    go to ``ShardedModule``.
+    """
+    model = gpt.build(config)
+    wrapped = wrap(model, impl, hybrid_shard_size=hybrid_shard_size, **options)
+    optimizer = make_optimizer(wrapped)
+    rank = dist.get_rank()
+    losses = []
+    for step in range(num_steps):
+        inputs, targets = gpt.batch(config, step=step, rank=rank, batch_size=batch_size)
+        loss = gpt.loss_fn(wrapped(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    source = model if impl == "DDP" else wrapped
+    state = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    return Run(losses, state)
+
+
+# torch.testing.assert_close's defaults for float32.
+FLOAT32_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
+
+
+def differences(run: Run, reference: Run, *, tolerance: dict[str, float] | None) -> list[str]:
+    """What differs between two runs: bit for bit when ``tolerance`` is None, else beyond
+    ``rtol``/``atol`` as ``torch.testing.assert_close`` counts them. Empty when they agree.
+    """
+    rtol, atol = (0.0, 0.0) if tolerance is None else (tolerance["rtol"], tolerance["atol"])
+    found = []
+    for step, (loss, ref) in enumerate(zip(run.losses, reference.losses, strict=True)):
+        if abs(loss - ref) > atol + rtol * abs(ref) or (tolerance is None and loss != ref):
+            found.append(f"loss of step {step + 1}: {loss!r} vs {ref!r}")
+            break
+    for name, expected in reference.state.items():
+        actual = run.state.get(name)
+        if actual is None:
+            found.append(f"{name}: missing from the state dict")
+            continue
+        same = (
+            torch.equal(actual, expected)
+            if tolerance is None
+            else torch.allclose(actual, expected, rtol=rtol, atol=atol)
+        )
+        if not same:
+            found.append(f"{name}: max abs diff {(actual - expected).abs().max().item():.3e}")
+    return found
