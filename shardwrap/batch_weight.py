@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .wrap import ShardedModule
+    from .runtime import StepRuntime
 
 
-def batch_weight(model: ShardedModule, local_count: int) -> float:
+def batch_weight(runtime: StepRuntime, local_count: int) -> float:
     """Factor for this rank's mean loss so that gradients equal the global-batch mean.
 
     Every rank must call it (one all-reduce of the sample counts).
     """
     if isinstance(local_count, bool) or not isinstance(local_count, int) or local_count < 0:
         raise ValueError(f"local_count: expected a non-negative int, got {local_count!r}")
-    comm = model._runtime.world_comm
+    comm = runtime.world_comm
     total = torch.tensor([local_count], dtype=torch.int64)
     comm.all_reduce(total, purpose="batch_size").wait()
     if int(total) == 0:

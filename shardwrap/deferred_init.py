@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .collectives import Communicator
-from .units import ParamRecord
+from .partition import ParamRecord
 
 
 def has_meta(module: nn.Module) -> bool:

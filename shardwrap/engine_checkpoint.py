@@ -8,30 +8,27 @@ checkpoint's ``extra`` record.
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from . import collectives
-
-if TYPE_CHECKING:
-    from .engine import ShardedEngine
+from . import checkpoint, collectives
 
 LATEST_FILE = "latest"
 
 
-def _checkpoint_module() -> Any:
-    try:
-        return importlib.import_module("shardwrap.checkpoint")
-    except ModuleNotFoundError as error:
-        if error.name != "shardwrap.checkpoint":
-            raise
-        raise RuntimeError(
-            "engine checkpoints need shardwrap.checkpoint (sharded safetensors checkpoints), "
-            "which this build of shardwrap does not have"
-        ) from None
+class CheckpointedEngine(Protocol):
+    """What a checkpoint saves and restores of an engine (``engine.ShardedEngine``)."""
+
+    module: nn.Module  # the ShardedModule
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any  # None, or an object with state_dict/load_state_dict
+    loss_scaler: Any  # None, or the fp16 loss scaler
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
 
 
 def _check_tag(tag: object) -> str:
@@ -41,13 +38,12 @@ def _check_tag(tag: object) -> str:
 
 
 def save(
-    engine: ShardedEngine,
+    engine: CheckpointedEngine,
     save_dir: str | os.PathLike,
     tag: str | None,
     client_state: dict,
     save_latest: bool,
 ) -> str:
-    checkpoint = _checkpoint_module()
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     if not isinstance(client_state, dict):
         raise TypeError(f"client_state: expected a dict, got {type(client_state).__name__}")
@@ -82,7 +78,7 @@ def _write_latest(save_dir: str, tag: str) -> None:
 
 
 def load(
-    engine: ShardedEngine,
+    engine: CheckpointedEngine,
     load_dir: str | os.PathLike,
     tag: str | None,
     *,
@@ -91,7 +87,6 @@ def load(
     load_scheduler: bool,
     load_counters: bool,
 ) -> tuple[str | None, dict | None]:
-    checkpoint = _checkpoint_module()
     load_dir = os.fspath(load_dir)
     if tag is None:
         latest = os.path.join(load_dir, LATEST_FILE)

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .collectives import Communicator
-    from .host_offload import HostStaging
     from .layout import FlatLayout
+    from .storage import HostStorage
 
 
 @dataclass
@@ -49,7 +49,7 @@ class FlatGradMixin:
     compute_device: torch.device
     shard_comm: Communicator
     replicate_comm: Communicator | None
-    host_staging: HostStaging | None
+    host_staging: HostStorage | None
     comm_label: str
     reduces_in_place: bool
     num_shards: int

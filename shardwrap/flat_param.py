@@ -16,7 +16,7 @@ in place when it unshards, so the full views stay valid objects without holding 
 With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed,
 unless mixed precision asks for a low-precision ``flat_full`` or ``CPUOffload`` keeps the
 shard in host memory (``separate_full``; see ``[Note: mixed-precision data flow]`` in
-``mixed_precision.py`` and ``[Note: host shards and staging]`` in ``host_offload.py``).
+``precision.py`` and ``[Note: host shards and staging]`` in ``host_offload.py``).
 
 [Note: version counters]
 Writing gathered data into ``flat_full`` must not bump its autograd version counter:
@@ -29,7 +29,6 @@ bumps the counter it shares with ``flat_shard``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,34 +36,16 @@ from torch import nn
 
 from .collectives import ROOT_LABEL, Communicator
 from .flat_grad import FlatGradMixin
-from .host_offload import HostStaging, StagedShard
 from .layout import FlatLayout
-from .mixed_precision import HandlePrecision
 from .options import ShardingStrategy
-
-# (unit name, number of elements, dtype) -> a 1-D tensor to hold the unit's shard.
-ShardAllocator = Callable[[str, int, torch.dtype], torch.Tensor]
+from .partition import ParamSite
+from .precision import HandlePrecision
+from .storage import HostStorage, ShardAllocator, StagedShard
 
 
 class ShardedState(enum.Enum):
     SHARDED = "SHARDED"  # module shows shard views; flat_full freed (or kept stale, ZeRO-1)
     UNSHARDED = "UNSHARDED"  # module shows full views; flat_full holds gathered parameters
-
-
-class ParamSite:
-    """One place a parameter is registered: ``module._parameters[attr]``.
-
-    A tied parameter has several sites and one entry in the layout.
-    """
-
-    __slots__ = ("module", "attr")
-
-    def __init__(self, module: nn.Module, attr: str) -> None:
-        self.module = module
-        self.attr = attr
-
-    def set(self, param: nn.Parameter) -> None:
-        self.module._parameters[self.attr] = param
 
 
 class FlatParamHandle(FlatGradMixin):
@@ -103,7 +84,7 @@ class FlatParamHandle(FlatGradMixin):
         self.reduce_dtype = precision.reduce_dtype if precision else dtype
         self.compute_device = device  # flat_full, local gradients and collectives
         # CPUOffload: the shard lives in host memory, see [Note: host shards and staging].
-        self.host_staging = shard_allocator if isinstance(shard_allocator, HostStaging) else None
+        self.host_staging = shard_allocator if isinstance(shard_allocator, HostStorage) else None
         # Whether flat_full is its own buffer (several shards, a low-precision or device copy).
         self.separate_full = (
             layout.num_shards > 1 or self.compute_dtype != dtype or self.host_staging is not None

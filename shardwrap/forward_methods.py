@@ -14,20 +14,22 @@ from typing import Any
 
 from torch import nn
 
+from . import hooks, registry
+
 
 def register_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` gather ``module``'s unit like ``forward`` does.
 
     ``module`` is a ``ShardedModule`` (its root unit is used) or a module wrapped as a unit.
     """
-    from .wrap import _MANAGED, ShardedModule
-
     if not isinstance(method_name, str):
         raise TypeError(f"method_name: expected a str, got {method_name!r}")
-    root = module if isinstance(module, ShardedModule) else None
-    inner = module.module if root is not None else module
-    unit = _MANAGED.get(inner)
-    if unit is None:
+    wrapped = registry.wrapped_module(module)
+    root = module if wrapped is not None else None
+    inner = wrapped if wrapped is not None else module
+    unit = registry.unit_of(inner)
+    runtime = registry.runtime_of(unit) if unit is not None else None
+    if unit is None or runtime is None:
         raise ValueError(f"module: {type(module).__name__} is not a ShardedModule or a unit")
     method = getattr(inner, method_name, None)
     if not callable(method):
@@ -36,10 +38,10 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     @functools.wraps(method)
     def gathered(*args: Any, **kwargs: Any) -> Any:
         if root is not None:
-            root._runtime.begin_forward()
-        args, kwargs = unit.pre_forward(inner, args, kwargs)
+            runtime.begin_forward()
+        args, kwargs = hooks.pre_forward(unit, runtime, inner, args, kwargs)
         output = method(*args, **kwargs)
-        return unit.post_forward(inner, args, kwargs, output)
+        return hooks.post_forward(unit, runtime, inner, args, kwargs, output)
 
     # Instance attributes shadow the class's method; the original stays reachable there.
     object.__setattr__(inner, method_name, gathered)

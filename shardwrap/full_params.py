@@ -14,31 +14,22 @@ edits must be the same on every rank, as with torch's FSDP.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from . import collectives
+from . import collectives, registry
 from .flat_param import FlatParamHandle, ShardedState
-from .hooks import TrainingState, Unit
-
-if TYPE_CHECKING:
-    from .wrap import ShardedModule
-
-# Handles inside an active summon; a nested summon leaves them to the outer one.
-_SUMMONED: weakref.WeakSet[FlatParamHandle] = weakref.WeakSet()
+from .unit import TrainingState, Unit
 
 
 def units_of(module: nn.Module, recurse: bool) -> list[Unit]:
     """The units ``module`` owns: its own (``recurse=False``) or all in its subtree."""
-    from .wrap import _MANAGED, ShardedModule
-
-    top = module.module if isinstance(module, ShardedModule) else module
+    wrapped = registry.wrapped_module(module)
+    top = wrapped if wrapped is not None else module
     if not recurse:
-        unit = _MANAGED.get(top)
+        unit = registry.unit_of(top)
         if unit is None:
             raise ValueError(
                 f"module: {type(module).__name__} is not a ShardedModule or a wrapped unit"
@@ -46,7 +37,7 @@ def units_of(module: nn.Module, recurse: bool) -> list[Unit]:
         return [unit]
     found: dict[int, Unit] = {}
     for sub in module.modules():
-        unit = _MANAGED.get(sub)
+        unit = registry.unit_of(sub)
         if unit is not None:
             found.setdefault(id(unit), unit)
     if not found:
@@ -74,7 +65,7 @@ def _check_flags(
 
 @contextlib.contextmanager
 def summon_full_params(
-    module: nn.Module | ShardedModule,
+    module: nn.Module,
     recurse: bool = True,
     writeback: bool = True,
     rank0_only: bool = False,
@@ -88,20 +79,22 @@ def summon_full_params(
         if unit.state is TrainingState.BACKWARD:
             raise RuntimeError(f"summon_full_params: unit {unit.name!r} is in backward")
     if with_grads:
-        for runtime in {id(u.runtime): u.runtime for u in units if u.runtime}.values():
+        runtimes = [registry.runtime_of(u) for u in units]
+        for runtime in {id(r): r for r in runtimes if r is not None}.values():
             runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
-    mine = [u.handle for u in units if u.handle not in _SUMMONED]
+    # A nested summon leaves the handles an outer one shows to it.
+    mine = [u.handle for u in units if not registry.is_summoned(u.handle)]
     showing = not rank0_only or collectives.world_rank() == 0
     summons = [_Summon(h, writeback, showing, offload_to_cpu, with_grads) for h in mine]
     for s in summons:
-        _SUMMONED.add(s.handle)
+        registry.add_summoned(s.handle)
         s.enter()
     try:
         yield
     finally:
         for s in summons:
             s.exit()
-            _SUMMONED.discard(s.handle)
+            registry.discard_summoned(s.handle)
 
 
 class _Summon:

@@ -12,13 +12,14 @@ wrapper does not manage (ignored modules) are replicated and added locally.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .wrap import ShardedModule
+    from .runtime import StepRuntime
 
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing; so do we, so that
 # both clip by exactly the same factor.
@@ -46,14 +47,20 @@ def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return total
 
 
-def sharded_grad_norm(model: ShardedModule, norm_type: float) -> tuple[torch.Tensor, list]:
-    """Total ``norm_type`` norm of the full gradients, and the local gradient tensors."""
-    model._runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
+def sharded_grad_norm(
+    runtime: StepRuntime, parameters: Iterable[torch.Tensor], norm_type: float
+) -> tuple[torch.Tensor, list]:
+    """Total ``norm_type`` norm of the full gradients, and the local gradient tensors.
+
+    ``runtime``: the root's; ``parameters``: all of the root's (those of ignored modules
+    included).
+    """
+    runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     by_comm: dict[int, tuple] = {}
     managed: set[int] = set()
     all_grads: list[torch.Tensor] = []
-    for unit in model.units:
+    for unit in runtime.units:
         if unit.handle is None:
             continue
         comm = unit.handle.shard_comm
@@ -67,7 +74,7 @@ def sharded_grad_norm(model: ShardedModule, norm_type: float) -> tuple[torch.Ten
         partial = _partial(grads, norm_type)
         comm.all_reduce(partial, purpose="grad_norm", op=op).wait()
         total = torch.maximum(total, partial) if norm_type == math.inf else total + partial
-    unmanaged = [p.grad for p in model.parameters() if id(p) not in managed and p.grad is not None]
+    unmanaged = [p.grad for p in parameters if id(p) not in managed and p.grad is not None]
     all_grads.extend(unmanaged)
     local = _partial(unmanaged, norm_type)
     total = torch.maximum(total, local) if norm_type == math.inf else total + local
@@ -76,7 +83,12 @@ def sharded_grad_norm(model: ShardedModule, norm_type: float) -> tuple[torch.Ten
     return total, all_grads
 
 
-def clip_grad_norm_(model: ShardedModule, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    runtime: StepRuntime,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
     """Scale gradients so their total norm is at most ``max_norm``; return the norm before.
 
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (every rank gets the
@@ -85,7 +97,7 @@ def clip_grad_norm_(model: ShardedModule, max_norm: float, norm_type: float = 2.
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise TypeError(f"max_norm: expected a number, got {max_norm!r}")
     norm_type = _check_norm_type(norm_type)
-    total, grads = sharded_grad_norm(model, norm_type)
+    total, grads = sharded_grad_norm(runtime, parameters, norm_type)
     dtype = grads[0].dtype if grads else torch.float32
     clip_coef = (float(max_norm) / (total + _CLIP_EPS)).clamp(max=1.0)
     for grad in grads:

@@ -29,32 +29,19 @@ the optimizer reads it next.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .options import CPUOffload
-
-
-@dataclass(frozen=True, slots=True)
-class StagedShard:
-    """A shard copied to the compute device, and the event marking the copy's end."""
-
-    tensor: torch.Tensor  # 1D, shard_numel, compute dtype, on the compute device
-    copied: Any  # torch.cuda.Event of an asynchronous copy, or None when it blocked
-
-    def wait_copied(self) -> None:
-        """Block the host until the copy has read the host shard."""
-        if self.copied is not None:
-            self.copied.synchronize()
+from .storage import StagedShard
 
 
 @dataclass(frozen=True, slots=True)
 class HostStaging:
     """Where offloaded shards live and how they cross to the compute device and back.
 
-    It is also the handle's shard allocator (``(unit name, numel, dtype) -> tensor``):
-    see [Note: host shards and staging].
+    It implements ``storage.HostStorage``, and so is also the handle's shard allocator
+    (``(unit name, numel, dtype) -> tensor``): see [Note: host shards and staging].
     """
 
     pin_memory: bool  # page-locked host buffers; only ever True when CUDA is available
@@ -108,4 +95,4 @@ def host_staging_for(cpu_offload: object) -> HostStaging | None:
     return None
 
 
-__all__ = ["HostStaging", "StagedShard", "host_staging_for"]
+__all__ = ["HostStaging", "host_staging_for"]

@@ -1,12 +1,6 @@
-"""Mixed precision: which dtypes a unit computes, reduces and keeps buffers in.
+"""Mixed precision at wrap time: cast buffers, and the cast hooks of full-precision modules.
 
-[Note: mixed-precision data flow]
-The shard (``flat_shard``) always keeps the parameters' own dtype (fp32 master weights):
-the optimizer reads and updates it. When ``param_dtype`` differs, the handle keeps a
-*separate* gathered buffer in ``param_dtype`` even with a single shard; gathering casts
-the shard first, so the all-gather moves ``param_dtype`` bytes. Autograd accumulates local
-gradients in ``param_dtype``; they are cast to ``reduce_dtype`` for the reduce-scatter /
-all-reduce and back to the master dtype for the optimizer.
+The dtypes a handle uses are in ``precision.py`` ([Note: mixed-precision data flow]).
 
 Modules of ``module_classes_to_ignore`` (BatchNorm by default) become units of their own
 that compute in full precision: their floating inputs are cast up and their floating
@@ -16,7 +10,6 @@ outputs cast back to ``param_dtype``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,28 +19,7 @@ from torch.utils._pytree import tree_map
 from .options import MixedPrecision
 
 if TYPE_CHECKING:
-    from .hooks import Unit
-
-
-@dataclass(frozen=True, slots=True)
-class HandlePrecision:
-    """The dtypes one flat-parameter handle uses (resolved from ``MixedPrecision``)."""
-
-    param_dtype: torch.dtype  # gathered parameters and local gradients
-    reduce_dtype: torch.dtype  # gradient collectives
-
-
-def handle_precision(
-    policy: MixedPrecision | None, master_dtype: torch.dtype
-) -> HandlePrecision | None:
-    """``None`` when the policy changes nothing for parameters of ``master_dtype``."""
-    if policy is None or not master_dtype.is_floating_point:
-        return None
-    param_dtype = policy.param_dtype or master_dtype
-    reduce_dtype = policy.reduce_dtype or param_dtype
-    if param_dtype == master_dtype and reduce_dtype == master_dtype:
-        return None
-    return HandlePrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    from .unit import Unit
 
 
 def excluded_modules(root: nn.Module, policy: MixedPrecision | None) -> list[nn.Module]:

@@ -10,15 +10,15 @@ import it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-from .hooks import Unit
+from . import registry
+from .unit import Unit
 
 
-def check_not_wrapped(module: object, managed: Mapping[nn.Module, Unit], wrapper: type) -> None:
+def check_not_wrapped(module: object, wrapper: type) -> None:
     """Raise unless ``module`` is a module no ``ShardedModule`` manages yet (nested ones
     inside it are fine: they are adopted)."""
     if not isinstance(module, nn.Module):
@@ -26,7 +26,7 @@ def check_not_wrapped(module: object, managed: Mapping[nn.Module, Unit], wrapper
     if isinstance(module, wrapper):
         raise ValueError("module: this module is already a ShardedModule (wrapped twice)")
     for name, sub in module.named_modules():
-        if sub in managed and not _is_nested_root(module, sub, wrapper):
+        if registry.is_managed(sub) and not _is_nested_root(module, sub, wrapper):
             where = f"submodule {name!r}" if name else "the module"
             raise ValueError(
                 f"module: {where} is already managed by a ShardedModule (wrapped twice)"
@@ -36,7 +36,7 @@ def check_not_wrapped(module: object, managed: Mapping[nn.Module, Unit], wrapper
 def _is_nested_root(root: nn.Module, sub: nn.Module, wrapper: type) -> bool:
     """Whether ``sub`` belongs to a ``ShardedModule`` sitting inside ``root`` (absorbable)."""
     return any(
-        isinstance(m, wrapper) and any(u.module is sub for u in m._units) for m in root.modules()
+        isinstance(m, wrapper) and any(u.module is sub for u in m.units) for m in root.modules()
     )
 
 
@@ -51,11 +51,14 @@ def absorb_nested(module: nn.Module, wrapper: type) -> list[Unit]:
             if isinstance(child, wrapper):
                 nested: Any = child
                 path = f"{parent_name}.{child_name}" if parent_name else child_name
-                nested._runtime.remove_hooks()
-                for unit in nested._units:
+                units = nested.units
+                runtime = registry.runtime_of(units[0])
+                if runtime is not None:
+                    runtime.remove_hooks()
+                for unit in units:
                     unit.name = f"{path}.{unit.name}" if unit.name else path
                     if unit.handle is not None:
                         unit.handle.rename(path)
-                adopted.extend(nested._units)
+                adopted.extend(units)
                 parent._modules[child_name] = nested.module
     return adopted

@@ -108,7 +108,7 @@ class MixedPrecision:
 
     The shard always keeps the parameters' own dtype (fp32 master weights) and the
     optimizer updates it; see ``[Note: mixed-precision data flow]`` in
-    ``shardwrap/mixed_precision.py``.
+    ``shardwrap/precision.py``.
     """
 
     param_dtype: torch.dtype | None = None  # gathered parameters, forward/backward compute

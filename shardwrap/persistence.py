@@ -1,5 +1,8 @@
 """Persistent units: small units kept whole on every rank instead of sharded.
 
+This module holds the rule (which units are kept whole); the communicators they are built
+with are in ``comms_setup.py``.
+
 [Note: parameter persistence]
 A unit with few parameters costs more in collective latency than it saves in memory:
 its all-gather (twice per step under ``FULL_SHARD``) moves a few kilobytes but pays a full
@@ -27,11 +30,7 @@ too; small parameters inside a large unit (its LayerNorms, biases) stay sharded 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .collectives import CommLedger, Communicator
-from .groups import GroupLayout
-from .options import ShardingStrategy, check_int
+from .options import check_int
 
 ARGUMENT = "param_persistence_threshold"
 
@@ -44,28 +43,3 @@ def check_threshold(value: object) -> int:
 def is_persistent(num_elements: int, threshold: int) -> bool:
     """Whether a unit holding ``num_elements`` parameter elements is kept whole."""
     return 0 < num_elements < threshold
-
-
-@dataclass(frozen=True)
-class UnitComms:
-    """The two communicators a unit's handle is built with."""
-
-    shard: Communicator
-    replicate: Communicator | None
-
-
-def persistent_comms(
-    strategy: ShardingStrategy, groups: GroupLayout, ledger: CommLedger
-) -> UnitComms:
-    """Communicators for persistent units: shard over this rank alone, replicate over all.
-
-    The data-parallel group is the shard group itself for the flat strategies, and the
-    world for hybrid ones (whose shard and replicate groups tile the world).
-    """
-    if strategy.is_hybrid:
-        data_parallel = groups.world_group
-    elif groups.shard_group is not None:
-        data_parallel = groups.shard_group
-    else:  # NO_SHARD: already one shard, replicated over its group
-        data_parallel = groups.replicate_group
-    return UnitComms(Communicator(None, ledger), Communicator(data_parallel, ledger))

@@ -14,9 +14,9 @@ from torch import nn
 
 from .layout import FlatLayout
 from .options import ShardingStrategy
+from .partition import assign_params, collect_params
 from .persistence import is_persistent
 from .policies import as_policy, select_units
-from .units import assign_params, collect_params
 
 
 @dataclass(frozen=True, slots=True)

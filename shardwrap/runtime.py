@@ -32,19 +32,20 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from . import registry
 from .collectives import Communicator
 from .flat_param import FlatParamHandle, holds_shards_of
-from .hooks import TrainingState, Unit
 from .schedule import Schedule
-
-# Runtimes whose optimizer hooks are live, so that code holding only an optimizer (a grad
-# scaler) can make ZeRO-1 gradients left by ``no_sync`` backwards reduced before reading them.
-_LIVE_RUNTIMES: weakref.WeakSet[StepRuntime] = weakref.WeakSet()
+from .unit import TrainingState, Unit
 
 
 def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
-    """Reduce unreduced ZeRO-1 gradients of every root that owns ``optimizer``'s parameters."""
-    for runtime in list(_LIVE_RUNTIMES):
+    """Reduce unreduced ZeRO-1 gradients of every root that owns ``optimizer``'s parameters.
+
+    For code holding only an optimizer (a grad scaler): the registry knows the runtimes
+    whose optimizer hooks are live.
+    """
+    for runtime in registry.stepping_runtimes():
         if runtime.sync_grads and runtime._owns(optimizer):
             runtime.reduce_deferred_grads()
 
@@ -82,11 +83,9 @@ class StepRuntime:
         # backward reduced since; the optimizer step reduces them.
         self.deferred_grads_pending = False
         self._step_hooks: list = []
-        for unit in units:
-            unit.runtime = self
         if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
             self._install_optimizer_hooks()
-            _LIVE_RUNTIMES.add(self)
+            registry.add_stepping(self)
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
@@ -122,7 +121,7 @@ class StepRuntime:
         self._update_deferred_pending()
         for unit in reversed(self.execution_order):
             if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
-                unit.post_backward()
+                self.post_backward(unit)
         vote = None
         if self.sync_grads:
             self._check_late_grads(self.units)
@@ -135,6 +134,24 @@ class StepRuntime:
         for unit in self.units:
             unit.state = TrainingState.IDLE
         self.execution_order.clear()
+
+    def post_backward(self, unit: Unit) -> None:
+        """Reduce ``unit``'s gradients (unless under ``no_sync``) and reshard it.
+
+        Run by the autograd node on the unit's inputs, or by :meth:`finalize_backward` for
+        a unit autograd did not reach (see [Note: when a unit's backward is over]).
+        """
+        if unit.state is TrainingState.BACKWARD_DONE or unit.state is TrainingState.IDLE:
+            return
+        handle = unit.handle
+        if handle is not None:
+            # ZeRO-1 too: see [Note: ZeRO-1 reduces in backward]. A frozen unit has nothing
+            # to reduce on any rank (see [Note: frozen units]).
+            if self.sync_grads and handle.has_trainable_params:
+                self.schedule.reduce_after_backward(unit, self.execution_order)
+            handle.reshard(free=unit.strategy.free_after_backward)
+        unit.state = TrainingState.BACKWARD_DONE
+        self.schedule.after_post_backward(unit, self.execution_order)
 
     def _update_deferred_pending(self) -> None:
         # A synchronising backward reduces only the units it reached; a ZeRO-1 unit it did
@@ -213,7 +230,7 @@ class StepRuntime:
         self._step_hooks.append(register_optimizer_step_pre_hook(before_step))
 
     def remove_hooks(self) -> None:
-        _LIVE_RUNTIMES.discard(self)
+        registry.discard_stepping(self)
         for h in self._step_hooks:
             h.remove()
         self._step_hooks.clear()

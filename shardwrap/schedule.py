@@ -67,8 +67,8 @@ from . import gather_bucket
 from .bucketing import ReduceBucket
 from .flat_param import FlatParamHandle
 from .grad_buffer import PlanBuffers, ScratchPool
-from .hooks import TrainingState, Unit
 from .options import BackwardPrefetch
+from .unit import TrainingState, Unit
 
 # Unit states for _backward_next: backward not started yet / gradients not reduced yet.
 _NOT_STARTED = (TrainingState.FORWARD,)

@@ -1,22 +1,23 @@
-"""``ShardedModule``: the FSDP-compatible entry point, and the wrap policies it takes."""
+"""``ShardedModule``: the FSDP-compatible entry point, the wrap policies it takes, and
+``enable_wrap``/``wrap`` (where ``torch.distributed.fsdp.wrap`` has them)."""
 
 from __future__ import annotations
 
 import contextlib
-import weakref
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import batch_weight, collectives, forward_methods, full_params, grad_clip
+from . import batch_weight, collectives, forward_methods, full_params, grad_clip, hooks, registry
 from . import mixed_precision as precision
 from . import state_dict as _state_dict
 from .collectives import CollectiveChecker, CommLedger, Communicator
+from .comms_setup import RootComms, root_comms
 from .deferred_init import UnitMaterializer, has_meta
 from .groups import resolve_groups
-from .hooks import Unit
 from .host_offload import host_staging_for
 from .nesting import absorb_nested, check_not_wrapped
 from .offload import DiskStore
@@ -27,24 +28,22 @@ from .options import (
     MixedPrecision,
     ShardingStrategy,
 )
+from .partition import assign_params, collect_params
 from .persistence import check_threshold
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
     always_wrap_policy,
     as_policy,
-    enable_wrap,
     lambda_auto_wrap_policy,
     select_units,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
-    wrap,
 )
 from .runtime import StepRuntime
 from .schedule import Schedule
-from .units import assign_params, collect_params
+from .unit import Unit
 from .wrap_setup import (
-    RootComms,
     build_units,
     check_bool,
     check_bucket_bytes,
@@ -52,7 +51,6 @@ from .wrap_setup import (
     check_unsupported,
     full_precision_units,
     resolve_ignored,
-    root_comms,
 )
 
 __all__ = [
@@ -66,9 +64,6 @@ __all__ = [
     "enable_wrap",
     "wrap",
 ]
-
-# Modules already turned into units, so that wrapping one twice is caught.
-_MANAGED: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
 
 
 class ShardedModule(nn.Module):
@@ -106,7 +101,7 @@ class ShardedModule(nn.Module):
     ) -> None:
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
-        check_not_wrapped(module, _MANAGED, ShardedModule)
+        check_not_wrapped(module, ShardedModule)
         if not collectives.is_initialized():
             raise RuntimeError(
                 "ShardedModule: no process group is initialised; call "
@@ -150,16 +145,15 @@ class ShardedModule(nn.Module):
         )
         self.module = module
         self._units: list[Unit] = new_units + list(absorbed)
-        for unit in self._units:
-            _MANAGED[unit.module] = unit
-        for unit in new_units:
-            unit.register()
-        full_ids = {id(m) for m in full_precision}
-        precision.install_casts(new_units, module, self.mixed_precision, full_ids)
         schedule = Schedule(
             forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch
         )
         self._runtime = StepRuntime(self._units, comms.world, schedule)
+        registry.add_root(self, module, self._runtime)
+        for unit in new_units:
+            hooks.register(unit, self._runtime)
+        full_ids = {id(m) for m in full_precision}
+        precision.install_casts(new_units, module, self.mixed_precision, full_ids)
 
     def _build_units(
         self,
@@ -232,11 +226,11 @@ class ShardedModule(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the full gradients' total norm to ``max_norm``; see :mod:`.grad_clip`."""
-        return grad_clip.clip_grad_norm_(self, max_norm, norm_type)
+        return grad_clip.clip_grad_norm_(self._runtime, self.parameters(), max_norm, norm_type)
 
     def batch_weight(self, local_count: int) -> float:
         """Loss factor for unequal per-rank batch sizes; see :mod:`.batch_weight`."""
-        return batch_weight.batch_weight(self, local_count)
+        return batch_weight.batch_weight(self._runtime, local_count)
 
     summon_full_params = staticmethod(full_params.summon_full_params)
     register_forward_method = staticmethod(forward_methods.register_forward_method)
@@ -401,3 +395,33 @@ def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:
             f"{method}: extra arguments {args or ''}{sorted(kwargs) or ''} are not supported "
             "(process groups come from the model)"
         )
+
+
+class _WrapContext(threading.local):
+    def __init__(self) -> None:
+        self.kwargs: dict[str, Any] | None = None
+
+
+_wrap_context = _WrapContext()
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Callable[..., nn.Module] | None = None, **wrapper_kwargs: Any):
+    """Inside this context, :func:`wrap` turns modules into ``wrapper_cls`` units."""
+    if wrapper_cls is None:
+        wrapper_cls = ShardedModule
+    previous = _wrap_context.kwargs
+    _wrap_context.kwargs = {"wrapper_cls": wrapper_cls, **wrapper_kwargs}
+    try:
+        yield
+    finally:
+        _wrap_context.kwargs = previous
+
+
+def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
+    """Wrap ``module`` with the enclosing :func:`enable_wrap`'s settings (else return it)."""
+    if _wrap_context.kwargs is None:
+        return module
+    kwargs = {**_wrap_context.kwargs, **overrides}
+    wrapper_cls = kwargs.pop("wrapper_cls")
+    return wrapper_cls(module, **kwargs)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,12 +10,12 @@ from torch import nn
 
 from . import mixed_precision as precision
 from . import optimizer_guard
-from .collectives import CommLedger, Communicator
+from .collectives import Communicator
+from .comms_setup import UnitComms
 from .deferred_init import UnitMaterializer
-from .groups import GroupLayout
-from .hooks import Unit
 from .options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy, check_int
-from .persistence import UnitComms, is_persistent, persistent_comms
+from .persistence import is_persistent
+from .unit import Unit
 from .units import build_unit
 
 
@@ -128,29 +127,3 @@ def check_bucket_bytes(num_bytes: object) -> int:
 def on_accelerator(module: nn.Module) -> bool:
     """Whether any of ``module``'s parameters lives on an accelerator (not CPU, not meta)."""
     return any(p.device.type not in ("cpu", "meta") for p in module.parameters())
-
-
-@dataclass(frozen=True)
-class RootComms:
-    """A root's communicators, all recording into its ledger."""
-
-    world: Communicator  # every rank: the presence vote, sync_module_states
-    shard: Communicator
-    replicate: Communicator | None  # None: no replica groups (the flat sharded strategies)
-    persistent: UnitComms | None  # units kept whole by the threshold; None: none are
-
-
-def root_comms(
-    groups: GroupLayout, strategy: ShardingStrategy, ledger: CommLedger, threshold: int
-) -> RootComms:
-    """The communicators of a root over ``groups``."""
-    replicate = groups.replicate_group
-    persistent = None
-    if threshold and strategy is not ShardingStrategy.NO_SHARD:
-        persistent = persistent_comms(strategy, groups, ledger)
-    return RootComms(
-        world=Communicator(groups.world_group, ledger),
-        shard=Communicator(groups.shard_group, ledger),
-        replicate=Communicator(replicate, ledger) if replicate is not None else None,
-        persistent=persistent,
-    )

@@ -11,7 +11,8 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 import shardwrap
 from shardwrap.grad_clip import _check_norm_type
-from shardwrap.mixed_precision import HandlePrecision, excluded_modules, handle_precision
+from shardwrap.mixed_precision import excluded_modules
+from shardwrap.precision import HandlePrecision, handle_precision
 
 
 def test_mixed_precision_options_are_validated():
