@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .ckpt_format import (
+from .ckpt.format import (
     INDEX_NAME,
     CheckpointError,
     CheckpointIndex,
@@ -36,8 +36,7 @@ from .ckpt_format import (
     shard_file_name,
     write_atomic,
 )
-from .ckpt_reader import CheckpointReader
-from .optim_state import (
+from .ckpt.optim_state import (
     SCALAR,
     SHARDED,
     VALUE,
@@ -46,8 +45,9 @@ from .optim_state import (
     optimizer_slots,
     state_kind,
 )
-from .param_slots import ModelSlots, ParamSlot, model_slots
-from .safetensors_stream import StreamItem, write_stream
+from .ckpt.reader import CheckpointReader
+from .ckpt.safetensors_writer import StreamItem, write_stream
+from .ckpt.slots import ModelSlots, ParamSlot, model_slots
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 

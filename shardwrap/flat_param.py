@@ -16,7 +16,7 @@ in place when it unshards, so the full views stay valid objects without holding 
 With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed,
 unless mixed precision asks for a low-precision ``flat_full`` or ``CPUOffload`` keeps the
 shard in host memory (``separate_full``; see ``[Note: mixed-precision data flow]`` in
-``precision.py`` and ``[Note: host shards and staging]`` in ``host_offload.py``).
+``core/precision.py`` and ``[Note: host shards and staging]`` in ``offload/host.py``).
 
 [Note: version counters]
 Writing gathered data into ``flat_full`` must not bump its autograd version counter:
@@ -34,13 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .collectives import ROOT_LABEL, Communicator
-from .flat_grad import FlatGradMixin
-from .layout import FlatLayout
+from .comm.collectives import ROOT_LABEL, Communicator
+from .core.grads import FlatGradMixin
+from .core.precision import HandlePrecision
+from .core.storage import HostStorage, ShardAllocator, StagedShard
+from .layout.flat import FlatLayout
+from .layout.partition import ParamSite
 from .options import ShardingStrategy
-from .partition import ParamSite
-from .precision import HandlePrecision
-from .storage import HostStorage, ShardAllocator, StagedShard
 
 
 class ShardedState(enum.Enum):

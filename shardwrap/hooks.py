@@ -19,7 +19,7 @@ and has no place in a reduce bucket's plan. Backward still runs through it when 
 inputs need gradients (frozen blocks above trainable ones) and gathers it for that; one
 whose outputs need none (a frozen embedding at the bottom) is never reached by backward,
 so it is not prefetched for it either. A unit that mixes frozen and trainable parameters
-leaves the frozen ones out of its reduction ([Note: packed gradients] in grad_slots.py).
+leaves the frozen ones out of its reduction ([Note: packed gradients] in layout/grad_slots.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .core.unit import TrainingState, Unit
 from .flat_param import FlatParamHandle
-from .runtime import StepRuntime
-from .unit import TrainingState, Unit
+from .runtime.step import StepRuntime
 
 
 def register(unit: Unit, runtime: StepRuntime) -> None:

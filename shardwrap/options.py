@@ -51,7 +51,7 @@ class ShardingStrategy(enum.Enum):
         """Gradients left by ``no_sync`` backwards are reduced at the optimizer step (ZeRO-1).
 
         Synchronising backwards reduce ZeRO-1 gradients as they go, like ZeRO-2's; see
-        [Note: ZeRO-1 reduces in backward] in ``runtime.py``.
+        [Note: ZeRO-1 reduces in backward] in ``runtime/step.py``.
         """
         return self is ShardingStrategy.SHARD_OPTIM
 
@@ -108,7 +108,7 @@ class MixedPrecision:
 
     The shard always keeps the parameters' own dtype (fp32 master weights) and the
     optimizer updates it; see ``[Note: mixed-precision data flow]`` in
-    ``shardwrap/precision.py``.
+    ``shardwrap/core/precision.py``.
     """
 
     param_dtype: torch.dtype | None = None  # gathered parameters, forward/backward compute
@@ -233,10 +233,10 @@ class DiskOffload:
     """Keep fp32 master shards and Adam/AdamW state in memory-mapped files under ``path``.
 
     Pass it as ``ShardedModule(..., cpu_offload=DiskOffload(path))``; see
-    :mod:`shardwrap.offload`. ``path`` must be an existing, writable directory.
+    :mod:`shardwrap.offload.disk`. ``path`` must be an existing, writable directory.
     ``sub_group_size``: the most shard elements the optimizer steps before their pages
     are released (DeepSpeed's ``sub_group_size``; its default, 1e9, is in practice one
-    group), which bounds the resident memory of a step; see :mod:`shardwrap.offload_stream`.
+    group), which bounds the resident memory of a step; see :mod:`shardwrap.offload.disk_step`.
     """
 
     path: str

@@ -10,7 +10,7 @@ Two views, both measured (nothing here is estimated from formulas):
   full buffers they worked on and the wall time from issue to the end of their wait.
 
 [Note: labelling traffic by unit]
-Every handle talks through a :class:`~shardwrap.collectives.Communicator` that writes to
+Every handle talks through a :class:`~shardwrap.comm.collectives.Communicator` that writes to
 the root's ledger, and every collective a handle issues carries its unit's name, so every
 record says which unit issued it. The
 root module's unit is shown as ``"(root)"``; root-wide traffic that belongs to no single
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .collectives import ROOT_LABEL as ROOT_LABEL  # re-exported: how the root unit is named
+from .comm.collectives import ROOT_LABEL as ROOT_LABEL  # re-exported: how the root unit is named
 from .wrap import ShardedModule
 
 SHARED_LABEL = "(all units)"  # records without a unit label: root-wide traffic

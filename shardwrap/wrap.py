@@ -11,16 +11,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import batch_weight, collectives, forward_methods, full_params, grad_clip, hooks, registry
-from . import mixed_precision as precision
-from . import state_dict as _state_dict
-from .collectives import CollectiveChecker, CommLedger, Communicator
-from .comms_setup import RootComms, root_comms
-from .deferred_init import UnitMaterializer, has_meta
-from .groups import resolve_groups
-from .host_offload import host_staging_for
-from .nesting import absorb_nested, check_not_wrapped
-from .offload import DiskStore
+from . import hooks
+from .build import casts as precision
+from .build.comms import RootComms, root_comms
+from .build.deferred_init import UnitMaterializer, has_meta
+from .build.nesting import absorb_nested, check_not_wrapped
+from .build.setup import (
+    build_units,
+    check_bool,
+    check_bucket_bytes,
+    check_one_device,
+    check_unsupported,
+    full_precision_units,
+    resolve_ignored,
+)
+from .ckpt import state_dict as _state_dict
+from .comm import collectives
+from .comm.collectives import CollectiveChecker, CommLedger, Communicator
+from .comm.groups import resolve_groups
+from .core.unit import Unit
+from .features import batch_weight, forward_methods, grad_clip
+from .features import summon as full_params
+from .layout.partition import assign_params, collect_params
+from .layout.persistence import check_threshold
+from .offload.disk import DiskStore
+from .offload.host import host_staging_for
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -28,8 +43,6 @@ from .options import (
     MixedPrecision,
     ShardingStrategy,
 )
-from .partition import assign_params, collect_params
-from .persistence import check_threshold
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -40,18 +53,9 @@ from .policies import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-from .runtime import StepRuntime
-from .schedule import Schedule
-from .unit import Unit
-from .wrap_setup import (
-    build_units,
-    check_bool,
-    check_bucket_bytes,
-    check_one_device,
-    check_unsupported,
-    full_precision_units,
-    resolve_ignored,
-)
+from .runtime import registry
+from .runtime.schedule import Schedule
+from .runtime.step import StepRuntime
 
 __all__ = [
     "ShardedModule",
@@ -75,7 +79,7 @@ class ShardedModule(nn.Module):
 
     ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
     fewer elements are kept whole and replicated on every rank, never all-gathered, their
-    gradients all-reduced; see [Note: parameter persistence] in ``persistence.py``.
+    gradients all-reduced; see [Note: parameter persistence] in ``layout/persistence.py``.
     """
 
     def __init__(
@@ -271,7 +275,7 @@ class ShardedModule(nn.Module):
     # ------------------------------------------------------------------ debug
     def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:
         """Check before every collective that all ranks run the same one (see
-        :class:`shardwrap.collectives.CollectiveChecker`); a divergence raises on every rank
+        :class:`shardwrap.comm.collectives.CollectiveChecker`); a divergence raises on every rank
         instead of hanging. Costs one small object all-gather per collective."""
         checker = CollectiveChecker(timeout_s) if check_bool("enabled", enabled) else None
         for comm in self._communicators():
@@ -354,7 +358,7 @@ class ShardedModule(nn.Module):
             missing = incompatible_keys.missing_keys
             missing[:] = [k for k in missing if not k.startswith(inner)]
 
-    # FSDP's static state-dict API (see shardwrap/state_dict.py).
+    # FSDP's static state-dict API (see shardwrap/ckpt/state_dict.py).
     state_dict_type = staticmethod(_state_dict.state_dict_type)
     set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)

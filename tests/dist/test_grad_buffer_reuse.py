@@ -1,7 +1,7 @@
 """NO_SHARD keeps its flat gradient buffer across steps, never under a live gradient.
 
-See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/grad_buffer.py`` and
-[Note: in-place buckets] in ``shardwrap/bucketing.py``.
+See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/core/grad_buffers.py`` and
+[Note: in-place buckets] in ``shardwrap/runtime/reduce_bucket.py``.
 """
 
 from __future__ import annotations

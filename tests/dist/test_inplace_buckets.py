@@ -1,6 +1,6 @@
 """Data-parallel buckets share one buffer and follow their plan.
 
-See [Note: in-place buckets] in ``shardwrap/bucketing.py``.
+See [Note: in-place buckets] in ``shardwrap/runtime/reduce_bucket.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""Building a ``ShardedModule``'s units and checking its arguments (no process group state)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.collectives import Communicator
+from ..core.unit import Unit
+from ..layout.persistence import is_persistent
+from ..options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy, check_int
+from . import casts as precision
+from . import optimizer_guard
+from .comms import UnitComms
+from .deferred_init import UnitMaterializer
+from .units import build_unit
+
+
+def check_bool(argument: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument}: expected a bool, got {value!r}")
+    return value
+
+
+def build_units(
+    root: nn.Module,
+    unit_modules: list[nn.Module],
+    owned: dict[int, list],
+    *,
+    materializer: UnitMaterializer | None,
+    shard_comm: Communicator,
+    replicate_comm: Communicator | None,
+    strategy: ShardingStrategy,
+    mixed_precision: MixedPrecision | None,
+    full_precision: list[nn.Module],
+    shard_allocator=None,
+    persistent: tuple[UnitComms | None, int] = (None, 0),
+) -> list[Unit]:
+    """One unit per module, root first; materialise each right before it is sharded.
+
+    ``owned`` is consumed, so each unit's full parameters die once its shard is built
+    ([Note: unit-by-unit materialisation] in ``build/deferred_init.py``).
+    """
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    units = []
+    for module in [root, *unit_modules]:
+        records = owned.pop(id(module))
+        if materializer is not None:
+            materializer.prepare(module, records, root)
+        optimizer_guard.retire([r.param for r in records])
+        comms = UnitComms(shard_comm, replicate_comm)
+        kept_whole, threshold = persistent
+        if kept_whole is not None and is_persistent(
+            sum(r.param.numel() for r in records), threshold
+        ):
+            comms = kept_whole
+        units.append(
+            build_unit(
+                name=names[id(module)],
+                module=module,
+                records=records,
+                shard_comm=comms.shard,
+                replicate_comm=comms.replicate,
+                strategy=strategy,
+                mixed_precision=None if module in full_precision else mixed_precision,
+                shard_allocator=shard_allocator,
+            )
+        )
+        del records
+    return units
+
+
+def full_precision_units(
+    module: nn.Module, policy: MixedPrecision | None, ignored: set[nn.Module]
+) -> list[nn.Module]:
+    ignored_ids = {id(m) for top in ignored for m in top.modules()}
+    return [m for m in precision.excluded_modules(module, policy) if id(m) not in ignored_ids]
+
+
+def check_unsupported(cpu_offload: Any, module: nn.Module) -> None:
+    if cpu_offload is not None:
+        if not isinstance(cpu_offload, (CPUOffload, DiskOffload)):
+            raise TypeError(
+                f"cpu_offload: expected CPUOffload or DiskOffload, got {type(cpu_offload).__name__}"
+            )
+        if isinstance(cpu_offload, DiskOffload) and on_accelerator(module):
+            raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
+
+
+def resolve_ignored(
+    ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None, root
+) -> set[nn.Module]:
+    ignored: set[nn.Module] = set()
+    for source, values in (
+        ("ignored_modules", ignored_modules),
+        ("ignored_states", ignored_states),
+    ):
+        for item in values or ():
+            if not isinstance(item, nn.Module):
+                raise TypeError(f"{source}: expected nn.Module entries, got {type(item).__name__}")
+            if item is root:
+                raise ValueError(f"{source}: cannot ignore the root module itself")
+            ignored.add(item)
+    return ignored
+
+
+def check_one_device(records: list) -> None:
+    devices: dict[torch.device, str] = {}
+    for record in records:
+        devices.setdefault(record.param.device, record.fqn)
+    if len(devices) > 1:
+        found = ", ".join(f"{fqn} on {device}" for device, fqn in devices.items())
+        raise ValueError(
+            f"module: parameters on mixed devices ({found}); move the module to one device "
+            "or pass device_id"
+        )
+
+
+def check_bucket_bytes(num_bytes: object) -> int:
+    """A bucket budget in bytes (0 turns bucketing off)."""
+    return check_int("num_bytes", num_bytes, minimum=0, meaning="0 turns bucketing off")
+
+
+def on_accelerator(module: nn.Module) -> bool:
+    """Whether any of ``module``'s parameters lives on an accelerator (not CPU, not meta)."""
+    return any(p.device.type not in ("cpu", "meta") for p in module.parameters())

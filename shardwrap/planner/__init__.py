@@ -1,0 +1,1 @@
+"""Offline memory estimate: imports only layout/ and base/ (no process group)."""
