@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .base.torch_compat import preserve_version_counter
 from .comm.collectives import ROOT_LABEL, Communicator
 from .core.grads import FlatGradMixin
 from .core.precision import HandlePrecision
@@ -200,9 +201,7 @@ class FlatParamHandle(FlatGradMixin):
         if self.separate_full:
             self._allocate_full()
             shard = self._gather_source()
-            self._gather_version_guard = torch.autograd._unsafe_preserve_version_counter(
-                self.flat_full
-            )
+            self._gather_version_guard = preserve_version_counter(self.flat_full)
             with self._gather_version_guard:
                 self._gather_work = self.shard_comm.all_gather(
                     self.flat_full, shard, purpose="params", unit=self.comm_label
@@ -257,7 +256,7 @@ class FlatParamHandle(FlatGradMixin):
         """
         self._allocate_full()
         # As for a plain all-gather: see [Note: version counters].
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+        with torch.no_grad(), preserve_version_counter(self.flat_full):
             self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)
         self._gathered_version = version
 
@@ -267,7 +266,7 @@ class FlatParamHandle(FlatGradMixin):
         """
         self._gather_work = work
         self._gather_version = version
-        self._gather_version_guard = torch.autograd._unsafe_preserve_version_counter(self.flat_full)
+        self._gather_version_guard = preserve_version_counter(self.flat_full)
 
     def reshard(self, *, free: bool) -> None:
         """Show the shard views; release the gathered storage when ``free``."""

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .base.torch_compat import tree_flatten, tree_unflatten
 from .core.unit import TrainingState, Unit
 from .flat_param import FlatParamHandle
 from .runtime.step import StepRuntime

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 class ShardingStrategy(enum.Enum):
@@ -60,13 +63,9 @@ class ShardingStrategy(enum.Enum):
         """Accept our member, torch's ``ShardingStrategy`` member, or a name."""
         if value is None:
             return cls.FULL_SHARD
-        if isinstance(value, cls):
-            return value
-        name = value.name if isinstance(value, enum.Enum) else value
-        if isinstance(name, str):
-            key = name.upper().lstrip("_")
-            if key in cls.__members__:
-                return cls[key]
+        member = _parse_member(cls, value, strip_underscores=True)
+        if member is not None:
+            return member
         allowed = ", ".join(cls.__members__)
         raise ValueError(f"sharding_strategy: unknown strategy {value!r}; allowed: {allowed}")
 
@@ -79,11 +78,11 @@ class BackwardPrefetch(enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> BackwardPrefetch | None:
-        if value is None or isinstance(value, cls):
-            return value
-        name = value.name if isinstance(value, enum.Enum) else value
-        if isinstance(name, str) and name.upper() in cls.__members__:
-            return cls[name.upper()]
+        if value is None:
+            return None
+        member = _parse_member(cls, value)
+        if member is not None:
+            return member
         allowed = ", ".join(cls.__members__)
         raise ValueError(f"backward_prefetch: unknown value {value!r}; allowed: None, {allowed}")
 
@@ -174,13 +173,27 @@ class StateDictType(enum.Enum):
     @classmethod
     def parse(cls, value: object) -> StateDictType:
         """Accept our member, torch's ``StateDictType`` member, or a name."""
-        if isinstance(value, cls):
-            return value
-        name = value.name if isinstance(value, enum.Enum) else value
-        if isinstance(name, str) and name.upper() in cls.__members__:
-            return cls[name.upper()]
+        member = _parse_member(cls, value)
+        if member is not None:
+            return member
         allowed = ", ".join(cls.__members__)
         raise ValueError(f"state_dict_type: unsupported value {value!r}; allowed: {allowed}")
+
+
+def _parse_member(cls: type[_E], value: object, *, strip_underscores: bool = False) -> _E | None:
+    """The member of ``cls`` that ``value`` names, or ``None`` when it names none.
+
+    ``value`` may be a member of ``cls``, a member of another enum with the same name
+    (torch's), or the name as a string (any case; ``strip_underscores``: leading ``_``
+    ignored).
+    """
+    if isinstance(value, cls):
+        return value
+    name = value.name if isinstance(value, enum.Enum) else value
+    if not isinstance(name, str):
+        return None
+    key = name.upper().lstrip("_") if strip_underscores else name.upper()
+    return cls.__members__.get(key)
 
 
 def check_int(argument: str, value: object, *, minimum: int, meaning: str = "") -> int:

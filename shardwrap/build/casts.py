@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from ..base.torch_compat import tree_map
 from ..options import MixedPrecision
 
 if TYPE_CHECKING:

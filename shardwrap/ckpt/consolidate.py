@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 
 import torch
 
+from ..base.dtypes import FLOAT_ALIASES
+from ..base.sizes import read_size
 from .format import CheckpointIndex, TensorEntry, dtype_from_name, read_index, write_atomic
 from .reader import CheckpointReader, verify_files
 from .safetensors_writer import StreamItem, write_stream
@@ -22,27 +23,15 @@ HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
-_DTYPE_NAMES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 Progress = Callable[[int, int, str], None]  # (done, total, tensor name)
 
 
 def parse_dtype(text: str) -> torch.dtype:
     key = text.strip().lower()
-    if key not in _DTYPE_NAMES:
-        raise ValueError(f"dtype: unknown {text!r}; allowed: {', '.join(_DTYPE_NAMES)}")
-    return _DTYPE_NAMES[key]
+    if key not in FLOAT_ALIASES:
+        raise ValueError(f"dtype: unknown {text!r}; allowed: {', '.join(FLOAT_ALIASES)}")
+    return FLOAT_ALIASES[key]
 
 
 def parse_size(text: str | int) -> int:
@@ -50,11 +39,10 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
-        unit = match.group(2).upper() if match else None
-        if match is None or unit not in _UNITS:
+        read = read_size(str(text))
+        if read is None:
             raise ValueError(f"max_shard_size: cannot read {text!r} (e.g. 5GB, 500MiB, 1000000)")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        value = read
     if value <= 0:
         raise ValueError(f"max_shard_size: must be positive, got {text!r}")
     return value

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ..base.dtypes import BY_NAME
+
 INDEX_NAME = "index.json"
 FORMAT_NAME = "shardwrap-checkpoint"
 FORMAT_VERSION = 1
@@ -41,19 +43,6 @@ TEMP_SUFFIX = ".tmp"
 DEFAULT_CHUNK_BYTES = 1 << 22  # 4 MiB: the unit of checksum verification on load
 MAX_ITEMSIZE = 8  # chunks hold whole elements of every supported dtype
 
-_DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupt, or does not fit the model."""
@@ -61,15 +50,15 @@ class CheckpointError(RuntimeError):
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in BY_NAME:
         raise TypeError(f"dtype {dtype} cannot be stored in a checkpoint")
     return name
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:
-    if name not in _DTYPES:
+    if name not in BY_NAME:
         raise CheckpointError(f"{where}: unknown dtype {name!r} in the index")
-    return _DTYPES[name]
+    return BY_NAME[name]
 
 
 def shard_file_name(save_id: str, world_rank: int) -> str:

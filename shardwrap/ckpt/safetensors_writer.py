@@ -20,20 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base.dtypes import SAFETENSORS_CODES
 from .format import DEFAULT_CHUNK_BYTES, TEMP_SUFFIX, chunk_digests, fsync_dir, tensor_bytes
 
-_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 _ALIGN = 8
 
 
@@ -65,10 +54,10 @@ def header_bytes(items: list[StreamItem], metadata: dict[str, str] | None) -> by
         header["__metadata__"] = metadata
     offset = 0
     for item in items:
-        if item.dtype not in _CODES:
+        if item.dtype not in SAFETENSORS_CODES:
             raise TypeError(f"tensor {item.key!r}: dtype {item.dtype} cannot go into safetensors")
         header[item.key] = {
-            "dtype": _CODES[item.dtype],
+            "dtype": SAFETENSORS_CODES[item.dtype],
             "shape": list(item.shape),
             "data_offsets": [offset, offset + item.num_bytes],
         }

@@ -29,17 +29,13 @@ from collections.abc import Hashable
 
 import torch
 
-# Counts the tensors (and the Python storage object) sharing a storage. Private; without
-# it nothing is reused, which is slower but correct.
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+from ..base.torch_compat import storage_use_count
 
 
 def held_only_by(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is the only tensor on its storage (no view, no other alias)."""
-    if _storage_use_count is None:
-        return False
-    storage = tensor.untyped_storage()  # the storage's Python object counts once
-    return _storage_use_count(storage._cdata) == 2
+    # The storage's Python object counts once; without the count nothing is reused.
+    return storage_use_count(tensor.untyped_storage()) == 2
 
 
 class ReusableGradBuffer:

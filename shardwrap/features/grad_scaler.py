@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
+from ..base.torch_compat import tree_map
 from ..comm import collectives
 from ..comm.collectives import CommLedger, Communicator
 from ..options import check_int

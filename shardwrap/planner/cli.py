@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import re
 
 import torch
 
+from ..base.sizes import read_size
 from .estimate import OPTIMIZER_STATES, cheapest_fitting, estimate_memory, format_table
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 def parse_bytes(text: str) -> int:
     """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30 (case-insensitive; plain = bytes)."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).upper() if match else ""
-    if match is None or unit not in _UNITS:
+    value = read_size(text)
+    if value is None:
         raise argparse.ArgumentTypeError(
             f"--budget: expected a size such as 80GB or 80GiB, got {text!r}"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return value
 
 
 def parse_count(text: str) -> int:

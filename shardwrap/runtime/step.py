@@ -32,6 +32,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ..base.torch_compat import queue_backward_callback
 from ..comm.collectives import Communicator
 from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle, holds_shards_of
@@ -113,7 +114,7 @@ class StepRuntime:
     def queue_finalize(self) -> None:
         if not self._finalize_queued:
             self._finalize_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
+            queue_backward_callback(self.finalize_backward)
 
     def finalize_backward(self) -> None:
         """End of backward: reduce the units autograd did not reach, then vote on presence."""
