@@ -10,6 +10,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from .base.validate import check_bools, check_int
+
 _E = TypeVar("_E", bound=enum.Enum)
 
 
@@ -196,26 +198,6 @@ def _parse_member(cls: type[_E], value: object, *, strip_underscores: bool = Fal
     return cls.__members__.get(key)
 
 
-def check_int(argument: str, value: object, *, minimum: int, meaning: str = "") -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``.
-
-    ``meaning`` (e.g. ``"0 turns bucketing off"``) is shown with the bound.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{argument}: expected an int, got {value!r}")
-    if value < minimum:
-        bound = f">= {minimum} ({meaning})" if meaning else f">= {minimum}"
-        raise ValueError(f"{argument}: must be {bound}, got {value}")
-    return value
-
-
-def _check_bools(record: object, *names: str) -> None:
-    for name in names:
-        value = getattr(record, name)
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class FullStateDictConfig:
     """Options of ``FULL_STATE_DICT``.
@@ -228,7 +210,7 @@ class FullStateDictConfig:
     rank0_only: bool = False
 
     def __post_init__(self) -> None:
-        _check_bools(self, "offload_to_cpu", "rank0_only")
+        check_bools(self, "offload_to_cpu", "rank0_only")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +220,7 @@ class ShardedStateDictConfig:
     offload_to_cpu: bool = False
 
     def __post_init__(self) -> None:
-        _check_bools(self, "offload_to_cpu")
+        check_bools(self, "offload_to_cpu")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from . import hooks
+from .base.validate import check_bool
 from .build import casts as precision
 from .build.comms import RootComms, root_comms
 from .build.deferred_init import UnitMaterializer, has_meta
 from .build.nesting import absorb_nested, check_not_wrapped
 from .build.setup import (
     build_units,
-    check_bool,
     check_bucket_bytes,
     check_one_device,
     check_unsupported,

@@ -8,21 +8,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..base.validate import check_int
 from ..comm.collectives import Communicator
 from ..core.unit import Unit
 from ..layout.persistence import is_persistent
-from ..options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy, check_int
+from ..options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy
 from . import casts as precision
 from . import optimizer_guard
 from .comms import UnitComms
 from .deferred_init import UnitMaterializer
 from .units import build_unit
-
-
-def check_bool(argument: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{argument}: expected a bool, got {value!r}")
-    return value
 
 
 def build_units(

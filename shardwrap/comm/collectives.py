@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import at_exit
-from ..options import check_int
+from ..base.validate import check_int
 from . import pairwise
 
 ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")

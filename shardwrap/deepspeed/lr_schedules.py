@@ -21,7 +21,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..options import check_int
+from ..base.validate import check_int
 
 WARMUP_TYPES = ("log", "linear")
 

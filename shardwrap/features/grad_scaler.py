@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ..base.torch_compat import tree_map
+from ..base.validate import check_int
 from ..comm import collectives
 from ..comm.collectives import CommLedger, Communicator
-from ..options import check_int
 from ..runtime.step import reduce_deferred_grads_for
 
 

@@ -30,7 +30,7 @@ too; small parameters inside a large unit (its LayerNorms, biases) stay sharded 
 
 from __future__ import annotations
 
-from ..options import check_int
+from ..base.validate import check_int
 
 ARGUMENT = "param_persistence_threshold"
 
