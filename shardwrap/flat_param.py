@@ -1,5 +1,11 @@
 """One unit's parameters as a flat, sharded buffer, and its state machine.
 
+The rest of a unit, by file: its gradients ``core/grads.py`` (``handle.grads``), the
+``Unit`` record and its training states ``core/unit.py``, its dtypes ``core/precision.py``,
+where its shard lives ``core/storage.py``; the layout's arithmetic ``layout/flat.py``,
+which unit owns which parameter ``layout/partition.py``; the hooks that move it
+``hooks.py``, a step across units ``runtime/step.py``.
+
 [Note: two views of each parameter]
 Every original parameter has two ``nn.Parameter`` objects, created once and kept for the
 life of the handle:
@@ -29,6 +35,7 @@ bumps the counter it shares with ``flat_shard``.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +43,7 @@ from torch import nn
 
 from .base.torch_compat import preserve_version_counter
 from .comm.collectives import ROOT_LABEL, Communicator
-from .core.grads import FlatGradMixin
+from .core.grads import UnitGrads
 from .core.precision import HandlePrecision
 from .core.storage import HostStorage, ShardAllocator, StagedShard
 from .layout.flat import FlatLayout
@@ -49,8 +56,19 @@ class ShardedState(enum.Enum):
     UNSHARDED = "UNSHARDED"  # module shows full views; flat_full holds gathered parameters
 
 
-class FlatParamHandle(FlatGradMixin):
-    """A unit's parameters: the flat shard and the gathered buffer (gradients: the mixin)."""
+@dataclass(frozen=True, slots=True)
+class _PendingGather:
+    """An all-gather into a handle's ``flat_full`` that was issued and not yet waited for."""
+
+    work: Any  # the collective's work, or the fused bucket that fills flat_full on wait
+    version: int  # flat_shard._version when the shard was read
+    version_guard: Any  # restores flat_full's autograd version ([Note: version counters])
+    input: torch.Tensor | None  # its input, alive until it is done (None: a bucket holds it)
+    staged: StagedShard | None  # CPUOffload: the staged input's copy event, waited with it
+
+
+class FlatParamHandle:
+    """A unit's parameters: the flat shard and the gathered buffer (gradients: ``grads``)."""
 
     def __init__(
         self,
@@ -71,7 +89,7 @@ class FlatParamHandle(FlatGradMixin):
         self.strategy = strategy
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
-        # (module, attribute, parameter index) of every site, for _show's one flat loop.
+        # (module, attribute, parameter index) of every site, for show_params's one flat loop.
         self._site_slots = [
             (site.module, site.attr, index)
             for index, param_sites in enumerate(sites)
@@ -90,53 +108,69 @@ class FlatParamHandle(FlatGradMixin):
         self.separate_full = (
             layout.num_shards > 1 or self.compute_dtype != dtype or self.host_staging is not None
         )
+        pieces, flat_shard, flat_full = self._place_tensors(params, shard_allocator)
+        self.pieces = pieces  # this rank's piece of each parameter
+        # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
+        self.flat_shard = flat_shard
+        # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
+        self.flat_full = flat_full
+        self.full_params = [self._make_full_view(i) for i in range(len(params))]
+        self.shard_params = [self._make_shard_view(i) for i in range(len(params))]
+        self._gathered_version: int | None = None  # flat_shard._version at the last gather
+        # The all-gather into flat_full issued ahead (prefetch, a bucket), not yet waited.
+        self._pending: _PendingGather | None = None
+        # Fixed at wrap time, as the layout's flags are; a unit with none never reduces.
+        self.wrapped_requires_grad = [info.requires_grad for info in layout.params]
+        self.has_trainable_params = any(self.wrapped_requires_grad)
+        self.grads = self._make_grads()
+        self.reshard(free=True)
+
+    def _place_tensors(
+        self, params: list[nn.Parameter], shard_allocator: ShardAllocator | None
+    ) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Flatten ``params``: this rank's pieces, ``flat_shard`` and ``flat_full``."""
+        layout, dtype, device = self.layout, self.dtype, self.compute_device
         flat_init = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # 1D, padded
         with torch.no_grad():
             for info, param in zip(layout.params, params, strict=True):
                 flat_init[info.offset : info.end].copy_(param.detach().reshape(-1))
-        start, end = layout.shard_range(shard_comm.rank)
-        self.pieces = layout.pieces(shard_comm.rank)  # this rank's piece of each parameter
+        start, end = layout.shard_range(self.shard_comm.rank)
         # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
-        self.flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
+        flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
         if shard_allocator is not None:  # the shard lives elsewhere (DiskOffload: a mapped file)
-            placed = shard_allocator(unit_name, layout.shard_numel, dtype)
+            placed = shard_allocator(self.unit_name, layout.shard_numel, dtype)
             with torch.no_grad():
-                placed.copy_(self.flat_shard)
-            self.flat_shard = placed
+                placed.copy_(flat_shard)
+            flat_shard = placed
             if self.num_shards == 1 and self.host_staging is None:
                 flat_init = placed
         # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
-        self.flat_full = (
-            flat_init  # released by the reshard below when separate_full
+        flat_full = (
+            flat_init  # released by the constructor's reshard when separate_full
             if self.compute_dtype == dtype
             else torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
         )
-        self.full_params = [self._make_full_view(i) for i in range(len(params))]
-        self.shard_params = [self._make_shard_view(i) for i in range(len(params))]
-        self._gathered_version: int | None = None  # flat_shard._version at the last gather
-        self._gather_work: Any = None  # an all-gather issued ahead (prefetch), not yet waited
-        self._gather_input: torch.Tensor | None = None  # its input, alive until it is done
-        self._gather_staged: StagedShard | None = None  # CPUOffload: its input and copy event
-        self._gather_version: int | None = None  # flat_shard._version when it was issued
-        # Restores flat_full's autograd version to what it was before that all-gather.
-        self._gather_version_guard: Any = None
-        self._init_grads()
-        self.reshard(free=True)
+        return layout.pieces(self.shard_comm.rank), flat_shard, flat_full
+
+    def _make_grads(self) -> UnitGrads:
+        return UnitGrads(
+            layout=self.layout,
+            full_params=self.full_params,
+            shard_params=self.shard_params,
+            dtype=self.dtype,
+            compute_dtype=self.compute_dtype,
+            reduce_dtype=self.reduce_dtype,
+            compute_device=self.compute_device,
+            shard_comm=self.shard_comm,
+            replicate_comm=self.replicate_comm,
+            host_staging=self.host_staging,
+            comm_label=self.comm_label,
+        )
 
     # ------------------------------------------------------------------ views
     @property
     def num_shards(self) -> int:
         return self.layout.num_shards
-
-    @property
-    def reduces_in_place(self) -> bool:
-        """Whether the gradient reduction is one all-reduce in place (plain data parallel)."""
-        return self.num_shards == 1 and self.replicate_comm is not None
-
-    @property
-    def data_parallel_size(self) -> int:
-        replicas = self.replicate_comm.size if self.replicate_comm is not None else 1
-        return self.num_shards * replicas
 
     def _make_full_view(self, index: int) -> nn.Parameter:
         info = self.layout.params[index]
@@ -158,8 +192,9 @@ class FlatParamHandle(FlatGradMixin):
         piece = self.pieces[index]
         return flat[piece.shard_start : piece.shard_end]
 
-    def _show(self, params: list[nn.Parameter]) -> None:
-        # Twice per unit and step: one flat loop, no call per site.
+    def show_params(self, params: list[nn.Parameter]) -> None:
+        """Register ``params`` (``full_params`` or ``shard_params``, or a summon's copies) at
+        every site. Twice per unit and step: one flat loop, no call per site."""
         for module, attr, index in self._site_slots:
             module._parameters[attr] = params[index]
 
@@ -172,6 +207,7 @@ class FlatParamHandle(FlatGradMixin):
         """Prefix every parameter name (the unit was adopted by an enclosing root)."""
         self.unit_name = f"{prefix}.{self.unit_name}" if self.unit_name else prefix
         self.layout = self.layout.with_prefix(prefix)
+        self.grads.rename(self.layout, self.comm_label)
 
     # ------------------------------------------------------------ transitions
     @property
@@ -187,7 +223,7 @@ class FlatParamHandle(FlatGradMixin):
         if not self.full_is_current:  # the shard changed after a prefetch was issued
             self.start_unshard()
             self._finish_gather()
-        self._show(self.full_params)
+        self.show_params(self.full_params)
         self.state = ShardedState.UNSHARDED
 
     def start_unshard(self) -> None:
@@ -195,35 +231,33 @@ class FlatParamHandle(FlatGradMixin):
 
         :meth:`unshard` completes it; until then ``flat_full`` must not be read.
         """
-        if self._gather_work is not None or self.full_is_current:
+        if self._pending is not None or self.full_is_current:
             return
         version = self.flat_shard._version
-        if self.separate_full:
-            self._allocate_full()
-            shard = self._gather_source()
-            self._gather_version_guard = preserve_version_counter(self.flat_full)
-            with self._gather_version_guard:
-                self._gather_work = self.shard_comm.all_gather(
-                    self.flat_full, shard, purpose="params", unit=self.comm_label
-                )
-            self._gather_input = shard
-        self._gather_version = version
-        if self._gather_work is None:
+        if not self.separate_full:  # flat_full is the shard itself
             self._gathered_version = version
+            return
+        self._allocate_full()
+        shard, staged = self.gather_source()
+        guard = preserve_version_counter(self.flat_full)
+        with guard:
+            work = self.shard_comm.all_gather(
+                self.flat_full, shard, purpose="params", unit=self.comm_label
+            )
+        self._pending = _PendingGather(work, version, guard, shard, staged)
 
     def _finish_gather(self) -> None:
-        if self._gather_work is None:
+        pending = self._pending
+        if pending is None:
             return
         # The collective bumps flat_full's version whenever it lands (on gloo, on its own
         # thread): restore the version from before it was issued, see [Note: version counters].
-        with self._gather_version_guard:
-            self._gather_work.wait()
-        if self._gather_staged is not None:  # [Note: asynchronous copies from pinned memory]
-            self._gather_staged.wait_copied()
-            self._gather_staged = None
-        self._gather_work = None
-        self._gather_input = None
-        self._gathered_version = self._gather_version
+        with pending.version_guard:
+            pending.work.wait()
+        if pending.staged is not None:  # [Note: asynchronous copies from pinned memory]
+            pending.staged.wait_copied()
+        self._pending = None
+        self._gathered_version = pending.version
 
     def _allocate_full(self) -> None:
         """Give ``flat_full`` its storage back if a reshard released it."""
@@ -232,21 +266,22 @@ class FlatParamHandle(FlatGradMixin):
         if storage.size() != needed:
             storage.resize_(needed)
 
-    def _gather_source(self) -> torch.Tensor:
-        """The all-gather's input: the shard in compute_dtype, on the compute device.
+    def gather_source(self) -> tuple[torch.Tensor, StagedShard | None]:
+        """The all-gather's input: the shard in compute_dtype, on the compute device, and
+        (CPUOffload) the staged copy whose end the gather's wait must see.
 
         Cast before gathering, so the collective moves compute_dtype bytes.
         """
         if self.host_staging is None:
-            return self.flat_shard.detach().to(self.compute_dtype)
-        self._gather_staged = self.host_staging.to_device(
+            return self.flat_shard.detach().to(self.compute_dtype), None
+        staged = self.host_staging.to_device(
             self.flat_shard.detach(), self.compute_device, self.compute_dtype
         )
-        return self._gather_staged.tensor
+        return staged.tensor, staged
 
     @property
     def gather_in_flight(self) -> bool:
-        return self._gather_work is not None
+        return self._pending is not None
 
     def accept_gathered(self, full_by_rank: torch.Tensor, *, version: int) -> None:
         """Take the gathered parameters from a fused all-gather ([Note: all-gather buckets]).
@@ -260,17 +295,17 @@ class FlatParamHandle(FlatGradMixin):
             self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)
         self._gathered_version = version
 
-    def adopt_gather(self, work: Any, *, version: int) -> None:
+    def adopt_gather(self, work: Any, *, version: int, staged: StagedShard | None) -> None:
         """Make ``work``, a fused all-gather in flight that fills ``flat_full`` through
         :meth:`accept_gathered`, this unit's gather in flight ([Note: all-gather buckets]).
+        ``staged``: what :meth:`gather_source` returned with this handle's input.
         """
-        self._gather_work = work
-        self._gather_version = version
-        self._gather_version_guard = preserve_version_counter(self.flat_full)
+        guard = preserve_version_counter(self.flat_full)
+        self._pending = _PendingGather(work, version, guard, None, staged)
 
     def reshard(self, *, free: bool) -> None:
         """Show the shard views; release the gathered storage when ``free``."""
-        self._show(self.shard_params)
+        self.show_params(self.shard_params)
         self.state = ShardedState.SHARDED
         if free and self.separate_full:
             self._finish_gather()  # never release storage under an all-gather in flight

@@ -1,7 +1,8 @@
 """Forward/backward hooks: gather a unit before it computes, free it after, reduce its grads.
 
-The hooks close over the unit and its root's ``StepRuntime``; the post-backward step
-itself is ``StepRuntime.post_backward`` (the end-of-backward callback runs it too).
+Each hook takes the unit and its root's ``StepRuntime`` (found in the registry); the
+post-backward step itself is ``StepRuntime.post_backward`` (the end-of-backward callback
+runs it too).
 
 [Note: when a unit's backward is over]
 A unit's post-backward runs from an autograd node placed on the unit's forward inputs:
@@ -33,21 +34,41 @@ from torch import nn
 from .base.torch_compat import tree_flatten, tree_unflatten
 from .core.unit import TrainingState, Unit
 from .flat_param import FlatParamHandle
+from .runtime import registry
 from .runtime.step import StepRuntime
 
 
-def register(unit: Unit, runtime: StepRuntime) -> None:
-    """Install ``unit``'s forward hooks on its module, bound to the root's ``runtime``."""
+def register(unit: Unit) -> None:
+    """Install ``unit``'s forward hooks on its module.
+
+    The hooks find the unit's runtime in the registry when they run, not when they are
+    installed: a root that adopts a nested root's units takes them over, hooks included.
+    """
     unit.hook_handles.append(
         unit.module.register_forward_pre_hook(
-            functools.partial(pre_forward, unit, runtime), with_kwargs=True
+            functools.partial(_pre_forward_hook, unit), with_kwargs=True
         )
     )
     unit.hook_handles.append(
         unit.module.register_forward_hook(
-            functools.partial(post_forward, unit, runtime), with_kwargs=True
+            functools.partial(_post_forward_hook, unit), with_kwargs=True
         )
     )
+
+
+def _runtime_of(unit: Unit) -> StepRuntime:
+    runtime = registry.runtime_of(unit)
+    if runtime is None:
+        raise RuntimeError(f"unit {unit.name!r} is not attached to a ShardedModule root")
+    return runtime
+
+
+def _pre_forward_hook(unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
+    return pre_forward(unit, _runtime_of(unit), module, args, kwargs)
+
+
+def _post_forward_hook(unit: Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    return post_forward(unit, _runtime_of(unit), module, args, kwargs, output)
 
 
 def pre_forward(
@@ -60,7 +81,7 @@ def pre_forward(
         unit.handle.unshard()
     runtime.schedule.after_pre_forward(unit)
     if unit.state is TrainingState.IDLE:
-        unit.state = TrainingState.FORWARD
+        unit.start_forward()
         unit.expects_backward = False
     if torch.is_grad_enabled() and unit.handle is not None:
         _check_requires_grad(unit.handle)
@@ -97,12 +118,12 @@ def pre_backward(unit: Unit, runtime: StepRuntime) -> None:
         # A further backward through a retained graph (``retain_graph=True``): this
         # unit's step was finalised already, so enter it as a new one.
         runtime.record_forward(unit)
-        unit.state = TrainingState.FORWARD
+        unit.start_forward()
     if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
         if unit.handle is not None:
             runtime.schedule.before_backward_unshard(unit, runtime.execution_order)
             unit.handle.unshard()
-        unit.state = TrainingState.BACKWARD
+        unit.start_backward()
         runtime.schedule.after_pre_backward(unit, runtime.execution_order)
 
 

@@ -63,7 +63,7 @@ def memory_by_category(
         totals["param_shards"] += _storage_bytes(handle.flat_shard, counted)
     for handle in handles:
         grads = [p.grad for p in (*handle.shard_params, *handle.full_params)]
-        grads.append(handle.pending_grad_shard)
+        grads.append(handle.grads.pending_grad_shard)
         totals["grads"] += sum(_storage_bytes(g, counted) for g in grads if g is not None)
     if optimizer is not None:
         totals["optimizer_state"] = _optimizer_state_bytes(optimizer, handles, counted)

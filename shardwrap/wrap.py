@@ -155,7 +155,7 @@ class ShardedModule(nn.Module):
         self._runtime = StepRuntime(self._units, comms.world, schedule)
         registry.add_root(self, module, self._runtime)
         for unit in new_units:
-            hooks.register(unit, self._runtime)
+            hooks.register(unit)
         full_ids = {id(m) for m in full_precision}
         precision.install_casts(new_units, module, self.mixed_precision, full_ids)
 

@@ -1,6 +1,6 @@
 """Optimizer state of shard parameters, by original parameter name.
 
-An optimizer over a ``ShardedModule`` holds this rank's pieces (see ``param_slots``). Its
+An optimizer over a ``ShardedModule`` holds this rank's pieces (see ``ckpt/slots.py``). Its
 per-parameter state falls in three kinds:
 
 * *sharded*: a tensor shaped like the piece (Adam's ``exp_avg``, SGD's momentum): it is

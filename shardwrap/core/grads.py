@@ -1,29 +1,26 @@
 """A unit's gradients: flattened, reduced across ranks, handed to the shard views.
 
-The gradient half of :class:`~shardwrap.flat_param.FlatParamHandle`, which mixes this
-class in; the handle owns the buffers and communicators these methods read. The tensor
-work itself is in :mod:`.grad_transfer`; where each gradient goes in the flat buffer, in
-:mod:`.grad_slots` ([Note: packed gradients]).
+The gradient half of :class:`~shardwrap.flat_param.FlatParamHandle`: the handle builds
+one :class:`UnitGrads` from its layout, views and communicators and holds it as
+``handle.grads``. The tensor work itself is in :mod:`.grad_transfer`; where each gradient
+goes in the flat buffer, in :mod:`shardwrap.layout.grad_slots` ([Note: packed gradients]).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
+from ..comm.collectives import Communicator
+from ..layout.flat import FlatLayout
 from ..layout.grad_slots import GradSlots, chunk_split
 from .grad_buffers import ReusableGradBuffer, ScratchPool
 from .grad_transfer import assign_reduced, flatten_local_grads
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from ..comm.collectives import Communicator
-    from ..layout.flat import FlatLayout
-    from .storage import HostStorage
+from .storage import HostStorage
 
 
 @dataclass
@@ -36,29 +33,35 @@ class _Reduction:
     replicate_done: bool  # the replica all-reduce already ran as the first stage
 
 
-class FlatGradMixin:
+class UnitGrads:
     """Gradient reduction of one unit (see the module docstring)."""
 
-    # Provided by FlatParamHandle.
-    layout: FlatLayout
-    full_params: list[nn.Parameter]
-    shard_params: list[nn.Parameter]
-    flat_full: torch.Tensor
-    dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    compute_device: torch.device
-    shard_comm: Communicator
-    replicate_comm: Communicator | None
-    host_staging: HostStorage | None
-    comm_label: str
-    reduces_in_place: bool
-    num_shards: int
-    data_parallel_size: int
-
-    def _init_grads(self) -> None:
-        # Fixed at wrap time, as the layout's flags are; a unit with none never reduces.
-        self.wrapped_requires_grad = [info.requires_grad for info in self.layout.params]
-        self.has_trainable_params = any(self.wrapped_requires_grad)
+    def __init__(
+        self,
+        *,
+        layout: FlatLayout,
+        full_params: list[nn.Parameter],
+        shard_params: list[nn.Parameter],
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        compute_device: torch.device,
+        shard_comm: Communicator,
+        replicate_comm: Communicator | None,
+        host_staging: HostStorage | None,
+        comm_label: str,
+    ) -> None:
+        self.layout = layout  # the handle's; replaced by rename()
+        self.full_params = full_params  # the handle's full views (local gradients land here)
+        self.shard_params = shard_params  # the handle's shard views (reduced gradients go here)
+        self.dtype = dtype  # the shard's (master) dtype: reduced gradients end in it
+        self.compute_dtype = compute_dtype  # local gradients'
+        self.reduce_dtype = reduce_dtype  # the collectives'
+        self.compute_device = compute_device
+        self.shard_comm = shard_comm
+        self.replicate_comm = replicate_comm
+        self.host_staging = host_staging  # CPUOffload: reduced gradients go to the host
+        self.comm_label = comm_label  # the unit's name in the collectives' records
         # Where local gradients go before the reduction: [Note: packed gradients]
         self.grad_slots = GradSlots.for_layout(self.layout)
         # Each parameter's [start, end) in this rank's reduced chunk.
@@ -73,6 +76,25 @@ class FlatGradMixin:
         self.local_grad_present = [False] * len(self.layout.params)
         self._reductions: list[_Reduction] = []  # gradient reductions issued, not yet waited
         self._grad_buffer = ReusableGradBuffer()  # plain data parallel only
+
+    def rename(self, layout: FlatLayout, comm_label: str) -> None:
+        """Follow the handle's :meth:`~shardwrap.flat_param.FlatParamHandle.rename`."""
+        self.layout = layout
+        self.comm_label = comm_label
+
+    @property
+    def num_shards(self) -> int:
+        return self.layout.num_shards
+
+    @property
+    def reduces_in_place(self) -> bool:
+        """Whether the gradient reduction is one all-reduce in place (plain data parallel)."""
+        return self.num_shards == 1 and self.replicate_comm is not None
+
+    @property
+    def data_parallel_size(self) -> int:
+        replicas = self.replicate_comm.size if self.replicate_comm is not None else 1
+        return self.num_shards * replicas
 
     def start_reduce_grads(self, scratch: ScratchPool | None = None) -> None:
         """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it.
@@ -121,7 +143,7 @@ class FlatGradMixin:
         """
         if out is None:
             return self._flatten_local_grads().to(self.reduce_dtype)
-        if out.dtype == self.flat_full.dtype:
+        if out.dtype == self.compute_dtype:
             return self._flatten_local_grads(out)
         return out.copy_(self._flatten_local_grads())
 
@@ -145,7 +167,9 @@ class FlatGradMixin:
     def _flatten_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         flat_grad = out
         if flat_grad is None:
-            flat_grad = self.flat_full.new_empty(self.grad_slots.numel)
+            flat_grad = torch.empty(
+                self.grad_slots.numel, dtype=self.compute_dtype, device=self.compute_device
+            )
         flatten_local_grads(flat_grad, self.grad_slots, self.full_params, self.local_grad_present)
         return flat_grad
 

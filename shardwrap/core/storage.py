@@ -2,7 +2,7 @@
 
 A handle gets an optional shard allocator (``(unit name, numel, dtype) -> 1-D tensor``):
 ``None`` keeps the shard on the compute device, ``DiskOffload`` maps it from a file, and
-``CPUOffload`` keeps it in host memory. Host storage (``host_offload.HostStaging``)
+``CPUOffload`` keeps it in host memory. Host storage (``offload/host.py``'s ``HostStaging``)
 also moves the shard to the compute device for the all-gather and the reduced gradient
 back (see [Note: host shards and staging] in ``offload/host.py``); the handle recognises it
 by this protocol, not by its class.

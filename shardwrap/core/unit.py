@@ -37,7 +37,7 @@ class Unit:
         self.module = module
         self.handle = handle
         self.strategy = strategy
-        self.state = TrainingState.IDLE
+        self.state = TrainingState.IDLE  # written only by the transitions below
         # Forwards of this unit in progress: a registered method (``generate``) that calls
         # ``forward`` nests them; only the outermost one reshards.
         self.forward_depth = 0
@@ -58,6 +58,35 @@ class Unit:
         if self.reshard_after_forward_override is not None:
             return self.reshard_after_forward_override and self.strategy.free_after_backward
         return self.strategy.reshard_after_forward
+
+    # ------------------------------------------------------------ transitions
+    # Each moves the unit from the states listed to the next one, and raises (naming the
+    # unit and both states) from any other: the hooks and the runtime decide when a step
+    # moves a unit, these check that the move is one the state machine has.
+    def start_forward(self) -> None:
+        """First forward of a step (or a further backward through a retained graph)."""
+        self._move(TrainingState.FORWARD, TrainingState.IDLE)
+
+    def start_backward(self) -> None:
+        """Backward reached the unit: it is gathered again and accumulates gradients."""
+        self._move(TrainingState.BACKWARD, TrainingState.FORWARD, TrainingState.BACKWARD_DONE)
+
+    def finish_backward(self) -> None:
+        """Its gradients are reduced (or kept, under ``no_sync``) and it is resharded."""
+        self._move(TrainingState.BACKWARD_DONE, TrainingState.FORWARD, TrainingState.BACKWARD)
+
+    def end_step(self) -> None:
+        """The step is over (backward finished, or a forward was abandoned): from any state."""
+        self.state = TrainingState.IDLE
+
+    def _move(self, to: TrainingState, *allowed: TrainingState) -> None:
+        if self.state not in allowed:
+            names = ", ".join(s.name for s in allowed)
+            raise RuntimeError(
+                f"unit {self.name!r}: cannot move to {to.name} from {self.state.name} "
+                f"(only from {names})"
+            )
+        self.state = to
 
     def remove(self) -> None:
         """Remove this unit's forward hooks from its module."""

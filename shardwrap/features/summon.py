@@ -130,7 +130,7 @@ class _Summon:
         if self.with_grads:
             _attach_full_grads(handle, shown)
         if self.showing:
-            handle._show(shown)
+            handle.show_params(shown)
 
     def exit(self) -> None:
         handle = self.handle
@@ -142,7 +142,7 @@ class _Summon:
                 # Bumps flat_shard's version: the next forward gathers the new values.
                 handle.flat_shard.copy_(flat[start:end] if handle.num_shards > 1 else flat)
         unsharded = handle.state is ShardedState.UNSHARDED
-        handle._show(handle.full_params if unsharded else handle.shard_params)
+        handle.show_params(handle.full_params if unsharded else handle.shard_params)
         if unsharded and self.writeback:
             handle.unshard()  # the shown full views must reflect the edits
 

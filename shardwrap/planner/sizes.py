@@ -1,7 +1,7 @@
 """The units a memory estimate counts: their flat layouts, as ``ShardedModule`` builds them.
 
 From a module (the same auto-wrap policy, ownership and layouts) or from a bare parameter
-count (the largest unit and the root holding the rest). Used by :mod:`.planner`.
+count (the largest unit and the root holding the rest). Used by :mod:`.estimate`.
 """
 
 from __future__ import annotations

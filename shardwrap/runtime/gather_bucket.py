@@ -93,7 +93,8 @@ class FusedGather:
         # 1D: each member's shard, cast to the compute dtype on the compute device (staged
         # from host memory under CPUOffload, which each member's wait completes), end to
         # end; alive until the collective is done
-        self._input = torch.cat([h._gather_source() for h in members])
+        sources = [h.gather_source() for h in members]
+        self._input = torch.cat([tensor for tensor, _ in sources])
         # 1D: num_shards copies of such an input, rank by rank
         self._output = torch.empty(
             first.num_shards * self._input.numel(),
@@ -104,8 +105,8 @@ class FusedGather:
         self._work = first.shard_comm.all_gather(
             self._output, self._input, purpose="params", unit=label
         )
-        for handle, version in zip(members, self.versions, strict=True):
-            handle.adopt_gather(self, version=version)
+        for handle, version, (_, staged) in zip(members, self.versions, sources, strict=True):
+            handle.adopt_gather(self, version=version, staged=staged)
 
     def wait(self) -> bool:
         if self._work is None:

@@ -89,7 +89,7 @@ class ReduceBucket:
 
         ``slot_buffer_for``: the buffer kept for an in-place plan, which lends its slots.
         """
-        if not handle.reduces_in_place:
+        if not handle.grads.reduces_in_place:
             return cls()
         plan = [handle]
         planned_bytes = _flat_grad_bytes(handle)
@@ -100,7 +100,7 @@ class ReduceBucket:
                 break
             plan.append(later)
             planned_bytes += _flat_grad_bytes(later)
-        numel = sum(h.flat_grad_numel for h in plan)
+        numel = sum(h.grads.flat_grad_numel for h in plan)
         kept = slot_buffer_for(tuple(plan))
         return cls(plan, kept.take(numel, handle.reduce_dtype, handle.flat_full.device))
 
@@ -122,11 +122,11 @@ class ReduceBucket:
 
     def add(self, handle: FlatParamHandle) -> None:
         if self._slots is not None:
-            end = self._filled + handle.flat_grad_numel
-            grad = handle.take_local_grads(out=self._slots[self._filled : end])
+            end = self._filled + handle.grads.flat_grad_numel
+            grad = handle.grads.take_local_grads(out=self._slots[self._filled : end])
             self._filled = end
         else:
-            grad = handle.take_local_grads()
+            grad = handle.grads.take_local_grads()
         self.handles.append(handle)
         self.grads.append(grad)
         self.num_bytes += grad.numel() * grad.element_size()
@@ -166,7 +166,7 @@ class ReduceBucket:
             # whole bucket alive.
             if not in_place:
                 part = part.clone()
-            handle.accept_reduced(part, replicate_done=in_place)
+            handle.grads.accept_reduced(part, replicate_done=in_place)
             offset += numel
         self._input = self._output = self._work = self._slots = None
         self.grads.clear()
@@ -186,4 +186,4 @@ def _compatible(first: FlatParamHandle, handle: FlatParamHandle) -> bool:
 
 
 def _flat_grad_bytes(handle: FlatParamHandle) -> int:
-    return handle.flat_grad_numel * handle.reduce_dtype.itemsize
+    return handle.grads.flat_grad_numel * handle.reduce_dtype.itemsize

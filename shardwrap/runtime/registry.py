@@ -18,7 +18,7 @@ from torch import nn
 from ..core.unit import Unit
 from ..flat_param import FlatParamHandle
 
-# A root's ``runtime.StepRuntime``; typed loosely here because the runtime imports this
+# A root's ``runtime.step.StepRuntime``; typed loosely here because the runtime imports this
 # module (registering itself), and the import may only go one way.
 StepRuntime = Any
 

@@ -190,9 +190,9 @@ class Schedule:
             self.flush_bucket()
         budget = self.bucket_budget(handle)
         if budget <= 0:
-            if not handle.reduces_in_place:
+            if not handle.grads.reduces_in_place:
                 self._wait_for_sharded_room()
-            handle.start_reduce_grads(self.scratch)
+            handle.grads.start_reduce_grads(self.scratch)
             self._reducing.append(handle)
             return
         if not self._bucket.handles:
@@ -207,7 +207,7 @@ class Schedule:
         """The reduce bucket budget, in bytes, for ``handle`` (0: it reduces alone)."""
         if self.reduce_bucket_bytes is not None:
             return self.reduce_bucket_bytes
-        return DEFAULT_IN_PLACE_BUCKET_BYTES if handle.reduces_in_place else 0
+        return DEFAULT_IN_PLACE_BUCKET_BYTES if handle.grads.reduces_in_place else 0
 
     def flush_bucket(self) -> None:
         """Issue the collective of the units collected so far."""
@@ -221,15 +221,15 @@ class Schedule:
 
     def _wait_for_sharded_room(self) -> None:
         # Oldest first, so every rank waits (and issues replica all-reduces) alike.
-        sharded = [h for h in self._reducing if not h.reduces_in_place]
+        sharded = [h for h in self._reducing if not h.grads.reduces_in_place]
         while len(sharded) >= self.max_sharded_reduces_in_flight:
             oldest = sharded.pop(0)
-            oldest.finish_reduce_grads()
+            oldest.grads.finish_reduce_grads()
             self._reducing.remove(oldest)
 
     def finish_reduces(self) -> None:
         for handle in self._reducing:
-            handle.finish_reduce_grads()
+            handle.grads.finish_reduce_grads()
         self._reducing.clear()
         for bucket in self._issued_buckets:
             bucket.finish()

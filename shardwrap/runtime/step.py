@@ -65,8 +65,8 @@ class _PresenceVote:
         flags = [bool(f) for f in self.flags.tolist()]
         start = 0
         for handle in self.handles:
-            count = len(handle.local_grad_present)
-            handle.assign_grads(flags[start : start + count])
+            count = len(handle.grads.local_grad_present)
+            handle.grads.assign_grads(flags[start : start + count])
             start += count
 
 
@@ -104,7 +104,7 @@ class StepRuntime:
         # gathered parameters are released.
         if unit.handle is not None and unit.strategy.free_after_backward:
             unit.handle.reshard(free=True)
-        unit.state = TrainingState.IDLE
+        unit.end_step()
 
     def record_forward(self, unit: Unit) -> None:
         if unit.state is TrainingState.IDLE and unit not in self.execution_order:
@@ -133,7 +133,7 @@ class StepRuntime:
         if vote is not None:
             vote.finish()
         for unit in self.units:
-            unit.state = TrainingState.IDLE
+            unit.end_step()
         self.execution_order.clear()
 
     def post_backward(self, unit: Unit) -> None:
@@ -151,7 +151,7 @@ class StepRuntime:
             if self.sync_grads and handle.has_trainable_params:
                 self.schedule.reduce_after_backward(unit, self.execution_order)
             handle.reshard(free=unit.strategy.free_after_backward)
-        unit.state = TrainingState.BACKWARD_DONE
+        unit.finish_backward()
         self.schedule.after_post_backward(unit, self.execution_order)
 
     def _update_deferred_pending(self) -> None:
@@ -171,7 +171,7 @@ class StepRuntime:
         for unit in units:
             if unit.handle is None or unit not in self.execution_order:
                 continue
-            late = unit.handle.late_grad_names()
+            late = unit.handle.grads.late_grad_names()
             if late:
                 raise RuntimeError(
                     f"rank {self.world_comm.rank}: unit {unit.name!r} received gradients for "
@@ -191,7 +191,7 @@ class StepRuntime:
         if not handles:
             return None
         flags = torch.tensor(
-            [int(f) for h in handles for f in h.local_grad_present], dtype=torch.int32
+            [int(f) for h in handles for f in h.grads.local_grad_present], dtype=torch.int32
         )
         work = self.world_comm.all_reduce(flags, purpose="grad_presence", op=dist.ReduceOp.MAX)
         return _PresenceVote(work, flags, handles)
@@ -237,8 +237,12 @@ class StepRuntime:
         self._step_hooks.clear()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # No module globals here: at interpreter exit this module's may be gone already (the
+        # registry, imported first, outlives it and drops the last runtimes).
+        try:
             self.remove_hooks()
+        except Exception:
+            pass
 
     # ------------------------------------------------------------------ misc
     @contextlib.contextmanager

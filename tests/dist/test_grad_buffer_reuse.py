@@ -60,7 +60,7 @@ def _num_allocated(model, seen: set) -> int:
     ``seen``: the keepers found by earlier calls, so a replaced one still counts.
     """
     schedule = model._runtime.schedule
-    seen.update(u.handle._grad_buffer for u in model.units if u.handle is not None)
+    seen.update(u.handle.grads._grad_buffer for u in model.units if u.handle is not None)
     seen.update(schedule.bucket_slots.buffers())
     return sum(b.num_allocated for b in seen)
 
