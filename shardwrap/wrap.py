@@ -14,17 +14,9 @@ from torch import nn
 from . import hooks
 from .base.validate import check_bool
 from .build import casts as precision
-from .build.comms import RootComms, root_comms
-from .build.deferred_init import UnitMaterializer, has_meta
+from .build.comms import root_comms
 from .build.nesting import absorb_nested, check_not_wrapped
-from .build.setup import (
-    build_units,
-    check_bucket_bytes,
-    check_one_device,
-    check_unsupported,
-    full_precision_units,
-    resolve_ignored,
-)
+from .build.setup import check_bucket_bytes, check_unsupported, resolve_ignored, shard_root
 from .ckpt import state_dict as _state_dict
 from .comm import collectives
 from .comm.collectives import CollectiveChecker, CommLedger, Communicator
@@ -32,7 +24,6 @@ from .comm.groups import resolve_groups
 from .core.unit import Unit
 from .features import batch_weight, forward_methods, grad_clip
 from .features import summon as full_params
-from .layout.partition import assign_params, collect_params
 from .layout.persistence import check_threshold
 from .offload.disk import DiskStore
 from .offload.host import host_staging_for
@@ -49,7 +40,6 @@ from .policies import (
     always_wrap_policy,
     as_policy,
     lambda_auto_wrap_policy,
-    select_units,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
@@ -106,27 +96,20 @@ class ShardedModule(nn.Module):
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
         check_not_wrapped(module, ShardedModule)
-        if not collectives.is_initialized():
-            raise RuntimeError(
-                "ShardedModule: no process group is initialised; call "
-                "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
-            )
-        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
-        self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
-        self.forward_prefetch = check_bool("forward_prefetch", forward_prefetch)
-        self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
-        self.use_orig_params = check_bool("use_orig_params", use_orig_params)
+        _require_process_group()
+        self._set_options(
+            sharding_strategy,
+            backward_prefetch,
+            forward_prefetch,
+            limit_all_gathers,
+            use_orig_params,
+            param_persistence_threshold,
+            mixed_precision,
+        )
         sync_module_states = check_bool("sync_module_states", sync_module_states)
-        # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
-        self.param_persistence_threshold = check_threshold(param_persistence_threshold)
-        self.mixed_precision = MixedPrecision.parse(mixed_precision)
         check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
-        self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
-            DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
-            if isinstance(cpu_offload, DiskOffload)
-            else None
-        )
+        self.disk_store = _disk_store_for(cpu_offload)  # DiskOffload: shards, Adam state in files
         policy = as_policy(auto_wrap_policy)
         ignored = resolve_ignored(ignored_modules, ignored_states, module)
         self.comm_ledger = CommLedger()
@@ -137,7 +120,7 @@ class ShardedModule(nn.Module):
             self.param_persistence_threshold,
         )
         absorbed = absorb_nested(module, ShardedModule)
-        new_units, full_precision = self._build_units(
+        new_units, full_precision = shard_root(
             module,
             comms,
             absorbed,
@@ -146,76 +129,52 @@ class ShardedModule(nn.Module):
             param_init_fn=param_init_fn,
             device_id=device_id,
             sync_module_states=sync_module_states,
+            strategy=self.sharding_strategy,
+            mixed_precision=self.mixed_precision,
+            shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
+                self.disk_store.allocate if self.disk_store else host_staging_for(cpu_offload)
+            ),
+            threshold=self.param_persistence_threshold,
         )
+        if self.disk_store is not None:
+            self.disk_store.attach(u.handle for u in new_units)
         self.module = module
         self._units: list[Unit] = new_units + list(absorbed)
+        self._start_runtime(comms.world, new_units, full_precision)
+
+    def _set_options(
+        self,
+        sharding_strategy: Any,
+        backward_prefetch: Any,
+        forward_prefetch: bool,
+        limit_all_gathers: bool,
+        use_orig_params: bool,
+        param_persistence_threshold: int,
+        mixed_precision: Any,
+    ) -> None:
+        """Validate the constructor's options and keep them (FSDP's attribute names)."""
+        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
+        self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
+        self.forward_prefetch = check_bool("forward_prefetch", forward_prefetch)
+        self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
+        self.use_orig_params = check_bool("use_orig_params", use_orig_params)
+        # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
+        self.param_persistence_threshold = check_threshold(param_persistence_threshold)
+        self.mixed_precision = MixedPrecision.parse(mixed_precision)
+
+    def _start_runtime(
+        self, world: Communicator, new_units: list[Unit], full_precision: list[nn.Module]
+    ) -> None:
+        """Make the step runtime, register the root, and hook the new units."""
         schedule = Schedule(
             forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch
         )
-        self._runtime = StepRuntime(self._units, comms.world, schedule)
-        registry.add_root(self, module, self._runtime)
+        self._runtime = StepRuntime(self._units, world, schedule)
+        registry.add_root(self, self.module, self._runtime)
         for unit in new_units:
             hooks.register(unit)
         full_ids = {id(m) for m in full_precision}
-        precision.install_casts(new_units, module, self.mixed_precision, full_ids)
-
-    def _build_units(
-        self,
-        module: nn.Module,
-        comms: RootComms,
-        absorbed: list[Unit],
-        *,
-        policy: Any,
-        ignored: set[nn.Module],
-        param_init_fn: Callable[[nn.Module], None] | None,
-        device_id: int | torch.device | None,
-        sync_module_states: bool,
-    ) -> tuple[list[Unit], list[nn.Module]]:
-        """Shard ``module`` into units (``absorbed`` ones aside): the new units, and the
-        modules that mixed precision leaves in full precision."""
-        deferred = has_meta(module)
-        device = torch.device("cpu") if device_id is None else torch.device(device_id)
-        if device_id is not None and not deferred:
-            module.to(device)
-        excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
-        absorbed_modules = {u.module for u in absorbed}
-        unit_modules = select_units(module, policy, ignored | absorbed_modules)
-        full_precision = full_precision_units(module, self.mixed_precision, ignored)
-        unit_modules += [m for m in full_precision if m not in unit_modules]
-        precision.cast_buffers(module, self.mixed_precision, keep=full_precision)
-        records = collect_params(module, ignored, excluded)
-        if not deferred:
-            check_one_device(records)
-        owned = assign_params(module, unit_modules, records)
-        del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
-        materializer = UnitMaterializer(
-            module,
-            unit_modules,
-            ignored,
-            param_init_fn,
-            device,
-            sync_comm=comms.world if sync_module_states else None,
-        )
-        new_units = build_units(
-            module,
-            unit_modules,
-            owned,
-            materializer=materializer if deferred or sync_module_states else None,
-            shard_comm=comms.shard,
-            replicate_comm=comms.replicate,
-            strategy=self.sharding_strategy,
-            mixed_precision=self.mixed_precision,
-            full_precision=full_precision,
-            shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
-                self.disk_store.allocate if self.disk_store else host_staging_for(self.cpu_offload)
-            ),
-            persistent=(comms.persistent, self.param_persistence_threshold),
-        )
-        if deferred or sync_module_states:
-            materializer.finish(module, ignored)
-        if self.disk_store is not None:
-            self.disk_store.attach(u.handle for u in new_units)
-        return new_units, full_precision
+        precision.install_casts(new_units, self.module, self.mixed_precision, full_ids)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -391,6 +350,20 @@ class ShardedModule(nn.Module):
 
 
 FullyShardedDataParallel = ShardedModule
+
+
+def _require_process_group() -> None:
+    if not collectives.is_initialized():
+        raise RuntimeError(
+            "ShardedModule: no process group is initialised; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+        )
+
+
+def _disk_store_for(cpu_offload: object) -> DiskStore | None:
+    if not isinstance(cpu_offload, DiskOffload):
+        return None
+    return DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
 
 
 def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -10,13 +10,16 @@ from torch import nn
 
 from ..base.validate import check_int
 from ..comm.collectives import Communicator
+from ..core.storage import ShardAllocator
 from ..core.unit import Unit
+from ..layout.partition import assign_params, collect_params
 from ..layout.persistence import is_persistent
 from ..options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy
+from ..policies import select_units
 from . import casts as precision
 from . import optimizer_guard
-from .comms import UnitComms
-from .deferred_init import UnitMaterializer
+from .comms import RootComms, UnitComms
+from .deferred_init import UnitMaterializer, has_meta
 from .units import build_unit
 
 
@@ -122,3 +125,63 @@ def check_bucket_bytes(num_bytes: object) -> int:
 def on_accelerator(module: nn.Module) -> bool:
     """Whether any of ``module``'s parameters lives on an accelerator (not CPU, not meta)."""
     return any(p.device.type not in ("cpu", "meta") for p in module.parameters())
+
+
+def shard_root(
+    module: nn.Module,
+    comms: RootComms,
+    absorbed: list[Unit],
+    *,
+    policy: Any,
+    ignored: set[nn.Module],
+    param_init_fn: Callable[[nn.Module], None] | None,
+    device_id: int | torch.device | None,
+    sync_module_states: bool,
+    strategy: ShardingStrategy,
+    mixed_precision: MixedPrecision | None,
+    shard_allocator: ShardAllocator | None,
+    threshold: int,
+) -> tuple[list[Unit], list[nn.Module]]:
+    """Shard ``module`` into units (``absorbed`` ones aside): the new units, and the
+    modules that mixed precision leaves in full precision. ``shard_allocator``: where
+    shards live (``None``: on the device); ``threshold``: see [Note: parameter persistence].
+    """
+    deferred = has_meta(module)
+    device = torch.device("cpu") if device_id is None else torch.device(device_id)
+    if device_id is not None and not deferred:
+        module.to(device)
+    excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
+    absorbed_modules = {u.module for u in absorbed}
+    unit_modules = select_units(module, policy, ignored | absorbed_modules)
+    full_precision = full_precision_units(module, mixed_precision, ignored)
+    unit_modules += [m for m in full_precision if m not in unit_modules]
+    precision.cast_buffers(module, mixed_precision, keep=full_precision)
+    records = collect_params(module, ignored, excluded)
+    if not deferred:
+        check_one_device(records)
+    owned = assign_params(module, unit_modules, records)
+    del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
+    materializer = UnitMaterializer(
+        module,
+        unit_modules,
+        ignored,
+        param_init_fn,
+        device,
+        sync_comm=comms.world if sync_module_states else None,
+    )
+    new_units = build_units(
+        module,
+        unit_modules,
+        owned,
+        materializer=materializer if deferred or sync_module_states else None,
+        shard_comm=comms.shard,
+        replicate_comm=comms.replicate,
+        strategy=strategy,
+        mixed_precision=mixed_precision,
+        full_precision=full_precision,
+        shard_allocator=shard_allocator,
+        persistent=(comms.persistent, threshold),
+    )
+    if deferred or sync_module_states:
+        materializer.finish(module, ignored)
+    return new_units, full_precision

@@ -23,7 +23,8 @@ from ..build.setup import on_accelerator
 from ..options import CPUOffload, DiskOffload, MixedPrecision
 from ..planner.estimate import STAGE_STRATEGIES
 from ..wrap import ShardedModule
-from .config import DeepSpeedConfig, OffloadDevice, ZeroConfig
+from .config import DeepSpeedConfig
+from .zero import OffloadDevice, ZeroConfig
 
 # Optimizers whose state DiskOffload places in files.
 DISK_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)

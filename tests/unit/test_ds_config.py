@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from shardwrap.deepspeed.config import DeepSpeedConfig, OffloadDevice, derive_batch_sizes
+from shardwrap.deepspeed.config import DeepSpeedConfig, derive_batch_sizes
 from shardwrap.deepspeed.optimizer import OptimizerType, SchedulerType
 from shardwrap.deepspeed.setup import disk_offload_of
+from shardwrap.deepspeed.zero import OffloadDevice
 from shardwrap.options import DiskOffload
 
 
