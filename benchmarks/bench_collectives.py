@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardwrap.collectives import CommLedger, Communicator  # noqa: E402
+from shardwrap.comm.collectives import CommLedger, Communicator  # noqa: E402
 
 
 def _variants(comm: Communicator, full: torch.Tensor, shard: torch.Tensor):

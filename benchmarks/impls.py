@@ -173,7 +173,7 @@ def _shardwrap(
 ):
     def build(model: nn.Module, **_) -> ShardwrapTrainer:
         import shardwrap
-        from shardwrap import posting
+        from shardwrap.comm import posting
         from shardwrap.policies import ModuleWrapPolicy
 
         posting.USE_HELPER_THREAD = posts_on_helper  # this process runs one implementation

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Pretrain
 
 import shardwrap
 from shardwrap.checkpoint import save_checkpoint
-from shardwrap.consolidate import consolidate
+from shardwrap.ckpt.consolidate import consolidate
 from shardwrap.policies import transformer_auto_wrap_policy
 
 VOCAB = 256  # one token per byte

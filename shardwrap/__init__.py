@@ -1,10 +1,11 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .engine import ShardedEngine, initialize
-from .forward_methods import register_forward_method
-from .grad_scaler import ShardedGradScaler
-from .groups import hybrid_process_groups
+from .ckpt.pretrained import load_pretrained
+from .comm.groups import hybrid_process_groups
+from .deepspeed.engine import ShardedEngine, initialize
+from .features.forward_methods import register_forward_method
+from .features.grad_scaler import ShardedGradScaler
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -15,8 +16,7 @@ from .options import (
     ShardingStrategy,
     StateDictType,
 )
-from .planner import estimate_memory
-from .pretrained import load_pretrained
+from .planner.estimate import estimate_memory
 from .wrap import FullyShardedDataParallel, ShardedModule
 
 __all__ = [

@@ -26,7 +26,7 @@ def _consolidate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from .consolidate import consolidate, parse_dtype
+    from .ckpt.consolidate import consolidate, parse_dtype
 
     dtype = parse_dtype(args.dtype) if args.dtype else None
 
@@ -56,7 +56,7 @@ def _inspect_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .consolidate import describe
+    from .ckpt.consolidate import describe
 
     text, ok = describe(args.checkpoint, verify=not args.no_verify, list_tensors=args.tensors)
     print(text)
@@ -64,13 +64,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _estimate_args(parser: argparse.ArgumentParser) -> None:
-    from .cli_estimate import add_arguments
+    from .planner.cli import add_arguments
 
     add_arguments(parser)
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .cli_estimate import run
+    from .planner.cli import run
 
     return run(args)
 

@@ -1,13 +1,18 @@
 """Sharded safetensors checkpoints that survive crashes and load on any number of ranks.
 
 ``save_checkpoint`` runs on every rank: each rank writes the ranges it owns (see
-``param_slots``) of the parameters and of the optimizer state, then world rank 0 writes the
-index (format: ``ckpt_format``, [Note: checkpoint layout]). ``load_checkpoint`` runs on
+``ckpt/slots.py``) of the parameters and of the optimizer state, then world rank 0 writes
+the index (format: ``ckpt/format.py``, [Note: checkpoint layout]). ``load_checkpoint`` runs on
 every rank of any world size and strategy: each rank computes the ranges it holds now and
 reads only the pieces that overlap them.
 
 Every rank reports success or its error to all others before anyone goes on, so a failure
 on one rank raises on all of them instead of leaving the rest waiting in a collective.
+
+The rest of saved state, by file (all in ``ckpt/``): reading ``reader.py``, writing
+safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state dicts
+``state_dict.py``, one-file export ``consolidate.py``, Hugging Face loading
+``pretrained.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .ckpt_format import (
+from .ckpt.format import (
     INDEX_NAME,
     CheckpointError,
     CheckpointIndex,
@@ -36,8 +41,7 @@ from .ckpt_format import (
     shard_file_name,
     write_atomic,
 )
-from .ckpt_reader import CheckpointReader
-from .optim_state import (
+from .ckpt.optim_state import (
     SCALAR,
     SHARDED,
     VALUE,
@@ -46,8 +50,9 @@ from .optim_state import (
     optimizer_slots,
     state_kind,
 )
-from .param_slots import ModelSlots, ParamSlot, model_slots
-from .safetensors_stream import StreamItem, write_stream
+from .ckpt.reader import CheckpointReader
+from .ckpt.safetensors_writer import StreamItem, write_stream
+from .ckpt.slots import ModelSlots, ParamSlot, model_slots
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 

@@ -1,5 +1,11 @@
 """One unit's parameters as a flat, sharded buffer, and its state machine.
 
+The rest of a unit, by file: its gradients ``core/grads.py`` (``handle.grads``), the
+``Unit`` record and its training states ``core/unit.py``, its dtypes ``core/precision.py``,
+where its shard lives ``core/storage.py``; the layout's arithmetic ``layout/flat.py``,
+which unit owns which parameter ``layout/partition.py``; the hooks that move it
+``hooks.py``, a step across units ``runtime/step.py``.
+
 [Note: two views of each parameter]
 Every original parameter has two ``nn.Parameter`` objects, created once and kept for the
 life of the handle:
@@ -16,7 +22,7 @@ in place when it unshards, so the full views stay valid objects without holding 
 With one shard, ``flat_full`` *is* ``flat_shard`` and nothing is ever gathered or freed,
 unless mixed precision asks for a low-precision ``flat_full`` or ``CPUOffload`` keeps the
 shard in host memory (``separate_full``; see ``[Note: mixed-precision data flow]`` in
-``mixed_precision.py`` and ``[Note: host shards and staging]`` in ``host_offload.py``).
+``core/precision.py`` and ``[Note: host shards and staging]`` in ``offload/host.py``).
 
 [Note: version counters]
 Writing gathered data into ``flat_full`` must not bump its autograd version counter:
@@ -40,21 +46,21 @@ what they were when it was gathered (:attr:`shard_version`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .collectives import ROOT_LABEL, Communicator
-from .flat_grad import FlatGradMixin
-from .host_offload import HostStaging, StagedShard
-from .layout import FlatLayout
-from .mixed_precision import HandlePrecision
+from .base.torch_compat import preserve_version_counter
+from .comm.collectives import ROOT_LABEL, Communicator
+from .core.grads import UnitGrads
+from .core.precision import HandlePrecision
+from .core.storage import HostStorage, ShardAllocator, StagedShard
+from .layout.flat import FlatLayout
+from .layout.partition import ParamSite
 from .options import ShardingStrategy
 
-# (unit name, number of elements, dtype) -> a 1-D tensor to hold the unit's shard.
-ShardAllocator = Callable[[str, int, torch.dtype], torch.Tensor]
 # (flat_shard's autograd version, optimizer steps over it); see FlatParamHandle.shard_version.
 ShardVersion = tuple[int, int]
 
@@ -64,24 +70,19 @@ class ShardedState(enum.Enum):
     UNSHARDED = "UNSHARDED"  # module shows full views; flat_full holds gathered parameters
 
 
-class ParamSite:
-    """One place a parameter is registered: ``module._parameters[attr]``.
+@dataclass(frozen=True, slots=True)
+class _PendingGather:
+    """An all-gather into a handle's ``flat_full`` that was issued and not yet waited for."""
 
-    A tied parameter has several sites and one entry in the layout.
-    """
-
-    __slots__ = ("module", "attr")
-
-    def __init__(self, module: nn.Module, attr: str) -> None:
-        self.module = module
-        self.attr = attr
-
-    def set(self, param: nn.Parameter) -> None:
-        self.module._parameters[self.attr] = param
+    work: Any  # the collective's work, or the fused bucket that fills flat_full on wait
+    version: ShardVersion  # shard_version when the shard was read
+    version_guard: Any  # restores flat_full's autograd version ([Note: version counters])
+    input: torch.Tensor | None  # its input, alive until it is done (None: a bucket holds it)
+    staged: StagedShard | None  # CPUOffload: the staged input's copy event, waited with it
 
 
-class FlatParamHandle(FlatGradMixin):
-    """A unit's parameters: the flat shard and the gathered buffer (gradients: the mixin)."""
+class FlatParamHandle:
+    """A unit's parameters: the flat shard and the gathered buffer (gradients: ``grads``)."""
 
     def __init__(
         self,
@@ -102,7 +103,7 @@ class FlatParamHandle(FlatGradMixin):
         self.strategy = strategy
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
-        # (module, attribute, parameter index) of every site, for _show's one flat loop.
+        # (module, attribute, parameter index) of every site, for show_params's one flat loop.
         self._site_slots = [
             (site.module, site.attr, index)
             for index, param_sites in enumerate(sites)
@@ -116,60 +117,76 @@ class FlatParamHandle(FlatGradMixin):
         self.reduce_dtype = precision.reduce_dtype if precision else dtype
         self.compute_device = device  # flat_full, local gradients and collectives
         # CPUOffload: the shard lives in host memory, see [Note: host shards and staging].
-        self.host_staging = shard_allocator if isinstance(shard_allocator, HostStaging) else None
+        self.host_staging = shard_allocator if isinstance(shard_allocator, HostStorage) else None
         # Whether flat_full is its own buffer (several shards, a low-precision or device copy).
         self.separate_full = (
             layout.num_shards > 1 or self.compute_dtype != dtype or self.host_staging is not None
         )
-        flat_init = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # 1D, padded
-        with torch.no_grad():
-            for info, param in zip(layout.params, params, strict=True):
-                flat_init[info.offset : info.end].copy_(param.detach().reshape(-1))
-        start, end = layout.shard_range(shard_comm.rank)
-        self.pieces = layout.pieces(shard_comm.rank)  # this rank's piece of each parameter
+        pieces, flat_shard, flat_full = self._place_tensors(params, shard_allocator)
+        self.pieces = pieces  # this rank's piece of each parameter
         # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
-        self.flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
-        if shard_allocator is not None:  # the shard lives elsewhere (DiskOffload: a mapped file)
-            placed = shard_allocator(unit_name, layout.shard_numel, dtype)
-            with torch.no_grad():
-                placed.copy_(self.flat_shard)
-            self.flat_shard = placed
-            if self.num_shards == 1 and self.host_staging is None:
-                flat_init = placed
+        self.flat_shard = flat_shard
         # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
-        self.flat_full = (
-            flat_init  # released by the reshard below when separate_full
-            if self.compute_dtype == dtype
-            else torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
-        )
+        self.flat_full = flat_full
         self.full_params = [self._make_full_view(i) for i in range(len(params))]
         self.shard_params = [self._make_shard_view(i) for i in range(len(params))]
         # Optimizer steps over the shard views; see [Note: optimizer steps that bump no version].
         self._num_shard_updates = 0
         self._gathered_version: ShardVersion | None = None  # shard_version at the last gather
-        self._gather_work: Any = None  # an all-gather issued ahead (prefetch), not yet waited
-        self._gather_input: torch.Tensor | None = None  # its input, alive until it is done
-        self._gather_staged: StagedShard | None = None  # CPUOffload: its input and copy event
-        self._gather_version: ShardVersion | None = None  # shard_version when it was issued
-        # Restores flat_full's autograd version to what it was before that all-gather.
-        self._gather_version_guard: Any = None
-        self._init_grads()
+        # The all-gather into flat_full issued ahead (prefetch, a bucket), not yet waited.
+        self._pending: _PendingGather | None = None
+        # Fixed at wrap time, as the layout's flags are; a unit with none never reduces.
+        self.wrapped_requires_grad = [info.requires_grad for info in layout.params]
+        self.has_trainable_params = any(self.wrapped_requires_grad)
+        self.grads = self._make_grads()
         self.reshard(free=True)
+
+    def _place_tensors(
+        self, params: list[nn.Parameter], shard_allocator: ShardAllocator | None
+    ) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Flatten ``params``: this rank's pieces, ``flat_shard`` and ``flat_full``."""
+        layout, dtype, device = self.layout, self.dtype, self.compute_device
+        flat_init = torch.zeros(layout.padded_numel, dtype=dtype, device=device)  # 1D, padded
+        with torch.no_grad():
+            for info, param in zip(layout.params, params, strict=True):
+                flat_init[info.offset : info.end].copy_(param.detach().reshape(-1))
+        start, end = layout.shard_range(self.shard_comm.rank)
+        # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
+        flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
+        if shard_allocator is not None:  # the shard lives elsewhere (DiskOffload: a mapped file)
+            placed = shard_allocator(self.unit_name, layout.shard_numel, dtype)
+            with torch.no_grad():
+                placed.copy_(flat_shard)
+            flat_shard = placed
+            if self.num_shards == 1 and self.host_staging is None:
+                flat_init = placed
+        # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
+        flat_full = (
+            flat_init  # released by the constructor's reshard when separate_full
+            if self.compute_dtype == dtype
+            else torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
+        )
+        return layout.pieces(self.shard_comm.rank), flat_shard, flat_full
+
+    def _make_grads(self) -> UnitGrads:
+        return UnitGrads(
+            layout=self.layout,
+            full_params=self.full_params,
+            shard_params=self.shard_params,
+            dtype=self.dtype,
+            compute_dtype=self.compute_dtype,
+            reduce_dtype=self.reduce_dtype,
+            compute_device=self.compute_device,
+            shard_comm=self.shard_comm,
+            replicate_comm=self.replicate_comm,
+            host_staging=self.host_staging,
+            comm_label=self.comm_label,
+        )
 
     # ------------------------------------------------------------------ views
     @property
     def num_shards(self) -> int:
         return self.layout.num_shards
-
-    @property
-    def reduces_in_place(self) -> bool:
-        """Whether the gradient reduction is one all-reduce in place (plain data parallel)."""
-        return self.num_shards == 1 and self.replicate_comm is not None
-
-    @property
-    def data_parallel_size(self) -> int:
-        replicas = self.replicate_comm.size if self.replicate_comm is not None else 1
-        return self.num_shards * replicas
 
     def _make_full_view(self, index: int) -> nn.Parameter:
         info = self.layout.params[index]
@@ -191,8 +208,9 @@ class FlatParamHandle(FlatGradMixin):
         piece = self.pieces[index]
         return flat[piece.shard_start : piece.shard_end]
 
-    def _show(self, params: list[nn.Parameter]) -> None:
-        # Twice per unit and step: one flat loop, no call per site.
+    def show_params(self, params: list[nn.Parameter]) -> None:
+        """Register ``params`` (``full_params`` or ``shard_params``, or a summon's copies) at
+        every site. Twice per unit and step: one flat loop, no call per site."""
         for module, attr, index in self._site_slots:
             module._parameters[attr] = params[index]
 
@@ -205,8 +223,13 @@ class FlatParamHandle(FlatGradMixin):
         """Prefix every parameter name (the unit was adopted by an enclosing root)."""
         self.unit_name = f"{prefix}.{self.unit_name}" if self.unit_name else prefix
         self.layout = self.layout.with_prefix(prefix)
+        self.grads.rename(self.layout, self.comm_label)
 
     # ------------------------------------------------------------ transitions
+    @property
+    def full_is_current(self) -> bool:
+        return self._gathered_version == self.shard_version
+
     @property
     def shard_version(self) -> ShardVersion:
         """Changes whenever the shard may have changed: ``flat_shard``'s autograd version
@@ -219,10 +242,6 @@ class FlatParamHandle(FlatGradMixin):
         """An optimizer stepped this handle's shard views: the gathered copy is stale."""
         self._num_shard_updates += 1
 
-    @property
-    def full_is_current(self) -> bool:
-        return self._gathered_version == self.shard_version
-
     def unshard(self) -> None:
         """Gather the full parameters (if stale) and show them on the module."""
         if self.state is ShardedState.UNSHARDED and self.full_is_current:
@@ -232,7 +251,7 @@ class FlatParamHandle(FlatGradMixin):
         if not self.full_is_current:  # the shard changed after a prefetch was issued
             self.start_unshard()
             self._finish_gather()
-        self._show(self.full_params)
+        self.show_params(self.full_params)
         self.state = ShardedState.UNSHARDED
 
     def start_unshard(self) -> None:
@@ -240,37 +259,33 @@ class FlatParamHandle(FlatGradMixin):
 
         :meth:`unshard` completes it; until then ``flat_full`` must not be read.
         """
-        if self._gather_work is not None or self.full_is_current:
+        if self._pending is not None or self.full_is_current:
             return
         version = self.shard_version
-        if self.separate_full:
-            self._allocate_full()
-            shard = self._gather_source()
-            self._gather_version_guard = torch.autograd._unsafe_preserve_version_counter(
-                self.flat_full
-            )
-            with self._gather_version_guard:
-                self._gather_work = self.shard_comm.all_gather(
-                    self.flat_full, shard, purpose="params", unit=self.comm_label
-                )
-            self._gather_input = shard
-        self._gather_version = version
-        if self._gather_work is None:
+        if not self.separate_full:  # flat_full is the shard itself
             self._gathered_version = version
+            return
+        self._allocate_full()
+        shard, staged = self.gather_source()
+        guard = preserve_version_counter(self.flat_full)
+        with guard:
+            work = self.shard_comm.all_gather(
+                self.flat_full, shard, purpose="params", unit=self.comm_label
+            )
+        self._pending = _PendingGather(work, version, guard, shard, staged)
 
     def _finish_gather(self) -> None:
-        if self._gather_work is None:
+        pending = self._pending
+        if pending is None:
             return
         # The collective bumps flat_full's version whenever it lands (on gloo, on its own
         # thread): restore the version from before it was issued, see [Note: version counters].
-        with self._gather_version_guard:
-            self._gather_work.wait()
-        if self._gather_staged is not None:  # [Note: asynchronous copies from pinned memory]
-            self._gather_staged.wait_copied()
-            self._gather_staged = None
-        self._gather_work = None
-        self._gather_input = None
-        self._gathered_version = self._gather_version
+        with pending.version_guard:
+            pending.work.wait()
+        if pending.staged is not None:  # [Note: asynchronous copies from pinned memory]
+            pending.staged.wait_copied()
+        self._pending = None
+        self._gathered_version = pending.version
 
     def _allocate_full(self) -> None:
         """Give ``flat_full`` its storage back if a reshard released it."""
@@ -279,21 +294,22 @@ class FlatParamHandle(FlatGradMixin):
         if storage.size() != needed:
             storage.resize_(needed)
 
-    def _gather_source(self) -> torch.Tensor:
-        """The all-gather's input: the shard in compute_dtype, on the compute device.
+    def gather_source(self) -> tuple[torch.Tensor, StagedShard | None]:
+        """The all-gather's input: the shard in compute_dtype, on the compute device, and
+        (CPUOffload) the staged copy whose end the gather's wait must see.
 
         Cast before gathering, so the collective moves compute_dtype bytes.
         """
         if self.host_staging is None:
-            return self.flat_shard.detach().to(self.compute_dtype)
-        self._gather_staged = self.host_staging.to_device(
+            return self.flat_shard.detach().to(self.compute_dtype), None
+        staged = self.host_staging.to_device(
             self.flat_shard.detach(), self.compute_device, self.compute_dtype
         )
-        return self._gather_staged.tensor
+        return staged.tensor, staged
 
     @property
     def gather_in_flight(self) -> bool:
-        return self._gather_work is not None
+        return self._pending is not None
 
     def accept_gathered(self, full_by_rank: torch.Tensor, *, version: ShardVersion) -> None:
         """Take the gathered parameters from a fused all-gather ([Note: all-gather buckets]).
@@ -303,21 +319,21 @@ class FlatParamHandle(FlatGradMixin):
         """
         self._allocate_full()
         # As for a plain all-gather: see [Note: version counters].
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+        with torch.no_grad(), preserve_version_counter(self.flat_full):
             self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)
         self._gathered_version = version
 
-    def adopt_gather(self, work: Any, *, version: ShardVersion) -> None:
+    def adopt_gather(self, work: Any, *, version: ShardVersion, staged: StagedShard | None) -> None:
         """Make ``work``, a fused all-gather in flight that fills ``flat_full`` through
         :meth:`accept_gathered`, this unit's gather in flight ([Note: all-gather buckets]).
+        ``staged``: what :meth:`gather_source` returned with this handle's input.
         """
-        self._gather_work = work
-        self._gather_version = version
-        self._gather_version_guard = torch.autograd._unsafe_preserve_version_counter(self.flat_full)
+        guard = preserve_version_counter(self.flat_full)
+        self._pending = _PendingGather(work, version, guard, None, staged)
 
     def reshard(self, *, free: bool) -> None:
         """Show the shard views; release the gathered storage when ``free``."""
-        self._show(self.shard_params)
+        self.show_params(self.shard_params)
         self.state = ShardedState.SHARDED
         if free and self.separate_full:
             self._finish_gather()  # never release storage under an all-gather in flight

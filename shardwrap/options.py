@@ -5,9 +5,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
+
+from .base.validate import check_bools, check_int
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 class ShardingStrategy(enum.Enum):
@@ -51,7 +56,7 @@ class ShardingStrategy(enum.Enum):
         """Gradients left by ``no_sync`` backwards are reduced at the optimizer step (ZeRO-1).
 
         Synchronising backwards reduce ZeRO-1 gradients as they go, like ZeRO-2's; see
-        [Note: ZeRO-1 reduces in backward] in ``runtime.py``.
+        [Note: ZeRO-1 reduces in backward] in ``runtime/step.py``.
         """
         return self is ShardingStrategy.SHARD_OPTIM
 
@@ -60,13 +65,9 @@ class ShardingStrategy(enum.Enum):
         """Accept our member, torch's ``ShardingStrategy`` member, or a name."""
         if value is None:
             return cls.FULL_SHARD
-        if isinstance(value, cls):
-            return value
-        name = value.name if isinstance(value, enum.Enum) else value
-        if isinstance(name, str):
-            key = name.upper().lstrip("_")
-            if key in cls.__members__:
-                return cls[key]
+        member = _parse_member(cls, value, strip_underscores=True)
+        if member is not None:
+            return member
         allowed = ", ".join(cls.__members__)
         raise ValueError(f"sharding_strategy: unknown strategy {value!r}; allowed: {allowed}")
 
@@ -79,11 +80,11 @@ class BackwardPrefetch(enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> BackwardPrefetch | None:
-        if value is None or isinstance(value, cls):
-            return value
-        name = value.name if isinstance(value, enum.Enum) else value
-        if isinstance(name, str) and name.upper() in cls.__members__:
-            return cls[name.upper()]
+        if value is None:
+            return None
+        member = _parse_member(cls, value)
+        if member is not None:
+            return member
         allowed = ", ".join(cls.__members__)
         raise ValueError(f"backward_prefetch: unknown value {value!r}; allowed: None, {allowed}")
 
@@ -108,7 +109,7 @@ class MixedPrecision:
 
     The shard always keeps the parameters' own dtype (fp32 master weights) and the
     optimizer updates it; see ``[Note: mixed-precision data flow]`` in
-    ``shardwrap/mixed_precision.py``.
+    ``shardwrap/core/precision.py``.
     """
 
     param_dtype: torch.dtype | None = None  # gathered parameters, forward/backward compute
@@ -174,33 +175,27 @@ class StateDictType(enum.Enum):
     @classmethod
     def parse(cls, value: object) -> StateDictType:
         """Accept our member, torch's ``StateDictType`` member, or a name."""
-        if isinstance(value, cls):
-            return value
-        name = value.name if isinstance(value, enum.Enum) else value
-        if isinstance(name, str) and name.upper() in cls.__members__:
-            return cls[name.upper()]
+        member = _parse_member(cls, value)
+        if member is not None:
+            return member
         allowed = ", ".join(cls.__members__)
         raise ValueError(f"state_dict_type: unsupported value {value!r}; allowed: {allowed}")
 
 
-def check_int(argument: str, value: object, *, minimum: int, meaning: str = "") -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``.
+def _parse_member(cls: type[_E], value: object, *, strip_underscores: bool = False) -> _E | None:
+    """The member of ``cls`` that ``value`` names, or ``None`` when it names none.
 
-    ``meaning`` (e.g. ``"0 turns bucketing off"``) is shown with the bound.
+    ``value`` may be a member of ``cls``, a member of another enum with the same name
+    (torch's), or the name as a string (any case; ``strip_underscores``: leading ``_``
+    ignored).
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{argument}: expected an int, got {value!r}")
-    if value < minimum:
-        bound = f">= {minimum} ({meaning})" if meaning else f">= {minimum}"
-        raise ValueError(f"{argument}: must be {bound}, got {value}")
-    return value
-
-
-def _check_bools(record: object, *names: str) -> None:
-    for name in names:
-        value = getattr(record, name)
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if isinstance(value, cls):
+        return value
+    name = value.name if isinstance(value, enum.Enum) else value
+    if not isinstance(name, str):
+        return None
+    key = name.upper().lstrip("_") if strip_underscores else name.upper()
+    return cls.__members__.get(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +210,7 @@ class FullStateDictConfig:
     rank0_only: bool = False
 
     def __post_init__(self) -> None:
-        _check_bools(self, "offload_to_cpu", "rank0_only")
+        check_bools(self, "offload_to_cpu", "rank0_only")
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +220,7 @@ class ShardedStateDictConfig:
     offload_to_cpu: bool = False
 
     def __post_init__(self) -> None:
-        _check_bools(self, "offload_to_cpu")
+        check_bools(self, "offload_to_cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,10 +228,10 @@ class DiskOffload:
     """Keep fp32 master shards and Adam/AdamW state in memory-mapped files under ``path``.
 
     Pass it as ``ShardedModule(..., cpu_offload=DiskOffload(path))``; see
-    :mod:`shardwrap.offload`. ``path`` must be an existing, writable directory.
+    :mod:`shardwrap.offload.disk`. ``path`` must be an existing, writable directory.
     ``sub_group_size``: the most shard elements the optimizer steps before their pages
     are released (DeepSpeed's ``sub_group_size``; its default, 1e9, is in practice one
-    group), which bounds the resident memory of a step; see :mod:`shardwrap.offload_stream`.
+    group), which bounds the resident memory of a step; see :mod:`shardwrap.offload.disk_step`.
     """
 
     path: str

@@ -9,8 +9,6 @@ torch works unchanged.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -158,35 +156,3 @@ def select_units(
 
     visit(root, True)
     return chosen
-
-
-class _WrapContext(threading.local):
-    def __init__(self) -> None:
-        self.kwargs: dict[str, Any] | None = None
-
-
-_wrap_context = _WrapContext()
-
-
-@contextlib.contextmanager
-def enable_wrap(*, wrapper_cls: Callable[..., nn.Module] | None = None, **wrapper_kwargs: Any):
-    """Inside this context, :func:`wrap` turns modules into ``wrapper_cls`` units."""
-    if wrapper_cls is None:
-        from .wrap import ShardedModule
-
-        wrapper_cls = ShardedModule
-    previous = _wrap_context.kwargs
-    _wrap_context.kwargs = {"wrapper_cls": wrapper_cls, **wrapper_kwargs}
-    try:
-        yield
-    finally:
-        _wrap_context.kwargs = previous
-
-
-def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
-    """Wrap ``module`` with the enclosing :func:`enable_wrap`'s settings (else return it)."""
-    if _wrap_context.kwargs is None:
-        return module
-    kwargs = {**_wrap_context.kwargs, **overrides}
-    wrapper_cls = kwargs.pop("wrapper_cls")
-    return wrapper_cls(module, **kwargs)

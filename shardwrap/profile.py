@@ -10,7 +10,7 @@ Two views, both measured (nothing here is estimated from formulas):
   full buffers they worked on and the wall time from issue to the end of their wait.
 
 [Note: labelling traffic by unit]
-Every handle talks through a :class:`~shardwrap.collectives.Communicator` that writes to
+Every handle talks through a :class:`~shardwrap.comm.collectives.Communicator` that writes to
 the root's ledger, and every collective a handle issues carries its unit's name, so every
 record says which unit issued it. The
 root module's unit is shown as ``"(root)"``; root-wide traffic that belongs to no single
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .collectives import ROOT_LABEL as ROOT_LABEL  # re-exported: how the root unit is named
+from .comm.collectives import ROOT_LABEL as ROOT_LABEL  # re-exported: how the root unit is named
 from .wrap import ShardedModule
 
 SHARED_LABEL = "(all units)"  # records without a unit label: root-wide traffic
@@ -63,7 +63,7 @@ def memory_by_category(
         totals["param_shards"] += _storage_bytes(handle.flat_shard, counted)
     for handle in handles:
         grads = [p.grad for p in (*handle.shard_params, *handle.full_params)]
-        grads.append(handle.pending_grad_shard)
+        grads.append(handle.grads.pending_grad_shard)
         totals["grads"] += sum(_storage_bytes(g, counted) for g in grads if g is not None)
     if optimizer is not None:
         totals["optimizer_state"] = _optimizer_state_bytes(optimizer, handles, counted)

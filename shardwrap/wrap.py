@@ -1,25 +1,32 @@
-"""``ShardedModule``: the FSDP-compatible entry point, and the wrap policies it takes."""
+"""``ShardedModule``: the FSDP-compatible entry point, the wrap policies it takes, and
+``enable_wrap``/``wrap`` (where ``torch.distributed.fsdp.wrap`` has them)."""
 
 from __future__ import annotations
 
 import contextlib
-import weakref
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import batch_weight, collectives, forward_methods, full_params, grad_clip
-from . import mixed_precision as precision
-from . import state_dict as _state_dict
-from .collectives import CollectiveChecker, CommLedger, Communicator
-from .deferred_init import UnitMaterializer, has_meta
-from .groups import resolve_groups
-from .hooks import Unit
-from .host_offload import host_staging_for
-from .nesting import absorb_nested, check_not_wrapped
-from .offload import DiskStore
+from . import hooks
+from .base.validate import check_bool
+from .build import casts as precision
+from .build.comms import root_comms
+from .build.nesting import absorb_nested, check_not_wrapped
+from .build.setup import check_bucket_bytes, check_unsupported, resolve_ignored, shard_root
+from .ckpt import state_dict as _state_dict
+from .comm import collectives
+from .comm.collectives import CollectiveChecker, CommLedger, Communicator
+from .comm.groups import resolve_groups
+from .core.unit import Unit
+from .features import batch_weight, forward_methods, grad_clip
+from .features import summon as full_params
+from .layout.persistence import check_threshold
+from .offload.disk import DiskStore
+from .offload.host import host_staging_for
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -27,33 +34,18 @@ from .options import (
     MixedPrecision,
     ShardingStrategy,
 )
-from .persistence import check_threshold
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
     always_wrap_policy,
     as_policy,
-    enable_wrap,
     lambda_auto_wrap_policy,
-    select_units,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
-    wrap,
 )
-from .runtime import StepRuntime
-from .schedule import Schedule
-from .units import assign_params, collect_params
-from .wrap_setup import (
-    RootComms,
-    build_units,
-    check_bool,
-    check_bucket_bytes,
-    check_one_device,
-    check_unsupported,
-    full_precision_units,
-    resolve_ignored,
-    root_comms,
-)
+from .runtime import registry
+from .runtime.schedule import Schedule
+from .runtime.step import StepRuntime
 
 __all__ = [
     "ShardedModule",
@@ -67,9 +59,6 @@ __all__ = [
     "wrap",
 ]
 
-# Modules already turned into units, so that wrapping one twice is caught.
-_MANAGED: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
-
 
 class ShardedModule(nn.Module):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
@@ -80,7 +69,7 @@ class ShardedModule(nn.Module):
 
     ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
     fewer elements are kept whole and replicated on every rank, never all-gathered, their
-    gradients all-reduced; see [Note: parameter persistence] in ``persistence.py``.
+    gradients all-reduced; see [Note: parameter persistence] in ``layout/persistence.py``.
     """
 
     def __init__(
@@ -106,28 +95,21 @@ class ShardedModule(nn.Module):
     ) -> None:
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
-        check_not_wrapped(module, _MANAGED, ShardedModule)
-        if not collectives.is_initialized():
-            raise RuntimeError(
-                "ShardedModule: no process group is initialised; call "
-                "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
-            )
-        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
-        self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
-        self.forward_prefetch = check_bool("forward_prefetch", forward_prefetch)
-        self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
-        self.use_orig_params = check_bool("use_orig_params", use_orig_params)
+        check_not_wrapped(module, ShardedModule)
+        _require_process_group()
+        self._set_options(
+            sharding_strategy,
+            backward_prefetch,
+            forward_prefetch,
+            limit_all_gathers,
+            use_orig_params,
+            param_persistence_threshold,
+            mixed_precision,
+        )
         sync_module_states = check_bool("sync_module_states", sync_module_states)
-        # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
-        self.param_persistence_threshold = check_threshold(param_persistence_threshold)
-        self.mixed_precision = MixedPrecision.parse(mixed_precision)
         check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
-        self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
-            DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
-            if isinstance(cpu_offload, DiskOffload)
-            else None
-        )
+        self.disk_store = _disk_store_for(cpu_offload)  # DiskOffload: shards, Adam state in files
         policy = as_policy(auto_wrap_policy)
         ignored = resolve_ignored(ignored_modules, ignored_states, module)
         self.comm_ledger = CommLedger()
@@ -138,7 +120,7 @@ class ShardedModule(nn.Module):
             self.param_persistence_threshold,
         )
         absorbed = absorb_nested(module, ShardedModule)
-        new_units, full_precision = self._build_units(
+        new_units, full_precision = shard_root(
             module,
             comms,
             absorbed,
@@ -147,77 +129,52 @@ class ShardedModule(nn.Module):
             param_init_fn=param_init_fn,
             device_id=device_id,
             sync_module_states=sync_module_states,
+            strategy=self.sharding_strategy,
+            mixed_precision=self.mixed_precision,
+            shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
+                self.disk_store.allocate if self.disk_store else host_staging_for(cpu_offload)
+            ),
+            threshold=self.param_persistence_threshold,
         )
+        if self.disk_store is not None:
+            self.disk_store.attach(u.handle for u in new_units)
         self.module = module
         self._units: list[Unit] = new_units + list(absorbed)
-        for unit in self._units:
-            _MANAGED[unit.module] = unit
-        for unit in new_units:
-            unit.register()
-        full_ids = {id(m) for m in full_precision}
-        precision.install_casts(new_units, module, self.mixed_precision, full_ids)
+        self._start_runtime(comms.world, new_units, full_precision)
+
+    def _set_options(
+        self,
+        sharding_strategy: Any,
+        backward_prefetch: Any,
+        forward_prefetch: bool,
+        limit_all_gathers: bool,
+        use_orig_params: bool,
+        param_persistence_threshold: int,
+        mixed_precision: Any,
+    ) -> None:
+        """Validate the constructor's options and keep them (FSDP's attribute names)."""
+        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
+        self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
+        self.forward_prefetch = check_bool("forward_prefetch", forward_prefetch)
+        self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
+        self.use_orig_params = check_bool("use_orig_params", use_orig_params)
+        # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
+        self.param_persistence_threshold = check_threshold(param_persistence_threshold)
+        self.mixed_precision = MixedPrecision.parse(mixed_precision)
+
+    def _start_runtime(
+        self, world: Communicator, new_units: list[Unit], full_precision: list[nn.Module]
+    ) -> None:
+        """Make the step runtime, register the root, and hook the new units."""
         schedule = Schedule(
             forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch
         )
-        self._runtime = StepRuntime(self._units, comms.world, schedule)
-
-    def _build_units(
-        self,
-        module: nn.Module,
-        comms: RootComms,
-        absorbed: list[Unit],
-        *,
-        policy: Any,
-        ignored: set[nn.Module],
-        param_init_fn: Callable[[nn.Module], None] | None,
-        device_id: int | torch.device | None,
-        sync_module_states: bool,
-    ) -> tuple[list[Unit], list[nn.Module]]:
-        """Shard ``module`` into units (``absorbed`` ones aside): the new units, and the
-        modules that mixed precision leaves in full precision."""
-        deferred = has_meta(module)
-        device = torch.device("cpu") if device_id is None else torch.device(device_id)
-        if device_id is not None and not deferred:
-            module.to(device)
-        excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
-        absorbed_modules = {u.module for u in absorbed}
-        unit_modules = select_units(module, policy, ignored | absorbed_modules)
-        full_precision = full_precision_units(module, self.mixed_precision, ignored)
-        unit_modules += [m for m in full_precision if m not in unit_modules]
-        precision.cast_buffers(module, self.mixed_precision, keep=full_precision)
-        records = collect_params(module, ignored, excluded)
-        if not deferred:
-            check_one_device(records)
-        owned = assign_params(module, unit_modules, records)
-        del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
-        materializer = UnitMaterializer(
-            module,
-            unit_modules,
-            ignored,
-            param_init_fn,
-            device,
-            sync_comm=comms.world if sync_module_states else None,
-        )
-        new_units = build_units(
-            module,
-            unit_modules,
-            owned,
-            materializer=materializer if deferred or sync_module_states else None,
-            shard_comm=comms.shard,
-            replicate_comm=comms.replicate,
-            strategy=self.sharding_strategy,
-            mixed_precision=self.mixed_precision,
-            full_precision=full_precision,
-            shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
-                self.disk_store.allocate if self.disk_store else host_staging_for(self.cpu_offload)
-            ),
-            persistent=(comms.persistent, self.param_persistence_threshold),
-        )
-        if deferred or sync_module_states:
-            materializer.finish(module, ignored)
-        if self.disk_store is not None:
-            self.disk_store.attach(u.handle for u in new_units)
-        return new_units, full_precision
+        self._runtime = StepRuntime(self._units, world, schedule)
+        registry.add_root(self, self.module, self._runtime)
+        for unit in new_units:
+            hooks.register(unit)
+        full_ids = {id(m) for m in full_precision}
+        precision.install_casts(new_units, self.module, self.mixed_precision, full_ids)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -232,11 +189,11 @@ class ShardedModule(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the full gradients' total norm to ``max_norm``; see :mod:`.grad_clip`."""
-        return grad_clip.clip_grad_norm_(self, max_norm, norm_type)
+        return grad_clip.clip_grad_norm_(self._runtime, self.parameters(), max_norm, norm_type)
 
     def batch_weight(self, local_count: int) -> float:
         """Loss factor for unequal per-rank batch sizes; see :mod:`.batch_weight`."""
-        return batch_weight.batch_weight(self, local_count)
+        return batch_weight.batch_weight(self._runtime, local_count)
 
     summon_full_params = staticmethod(full_params.summon_full_params)
     register_forward_method = staticmethod(forward_methods.register_forward_method)
@@ -277,7 +234,7 @@ class ShardedModule(nn.Module):
     # ------------------------------------------------------------------ debug
     def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:
         """Check before every collective that all ranks run the same one (see
-        :class:`shardwrap.collectives.CollectiveChecker`); a divergence raises on every rank
+        :class:`shardwrap.comm.collectives.CollectiveChecker`); a divergence raises on every rank
         instead of hanging. Costs one small object all-gather per collective."""
         checker = CollectiveChecker(timeout_s) if check_bool("enabled", enabled) else None
         for comm in self._communicators():
@@ -360,7 +317,7 @@ class ShardedModule(nn.Module):
             missing = incompatible_keys.missing_keys
             missing[:] = [k for k in missing if not k.startswith(inner)]
 
-    # FSDP's static state-dict API (see shardwrap/state_dict.py).
+    # FSDP's static state-dict API (see shardwrap/ckpt/state_dict.py).
     state_dict_type = staticmethod(_state_dict.state_dict_type)
     set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
@@ -395,9 +352,53 @@ class ShardedModule(nn.Module):
 FullyShardedDataParallel = ShardedModule
 
 
+def _require_process_group() -> None:
+    if not collectives.is_initialized():
+        raise RuntimeError(
+            "ShardedModule: no process group is initialised; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+        )
+
+
+def _disk_store_for(cpu_offload: object) -> DiskStore | None:
+    if not isinstance(cpu_offload, DiskOffload):
+        return None
+    return DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
+
+
 def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:
     if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
         raise ValueError(
             f"{method}: extra arguments {args or ''}{sorted(kwargs) or ''} are not supported "
             "(process groups come from the model)"
         )
+
+
+class _WrapContext(threading.local):
+    def __init__(self) -> None:
+        self.kwargs: dict[str, Any] | None = None
+
+
+_wrap_context = _WrapContext()
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Callable[..., nn.Module] | None = None, **wrapper_kwargs: Any):
+    """Inside this context, :func:`wrap` turns modules into ``wrapper_cls`` units."""
+    if wrapper_cls is None:
+        wrapper_cls = ShardedModule
+    previous = _wrap_context.kwargs
+    _wrap_context.kwargs = {"wrapper_cls": wrapper_cls, **wrapper_kwargs}
+    try:
+        yield
+    finally:
+        _wrap_context.kwargs = previous
+
+
+def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
+    """Wrap ``module`` with the enclosing :func:`enable_wrap`'s settings (else return it)."""
+    if _wrap_context.kwargs is None:
+        return module
+    kwargs = {**_wrap_context.kwargs, **overrides}
+    wrapper_cls = kwargs.pop("wrapper_cls")
+    return wrapper_cls(module, **kwargs)

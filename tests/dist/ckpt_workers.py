@@ -244,7 +244,7 @@ def bad_load_outcomes(rank: int, world_size: int, cases: list[tuple[str, dict, b
 
 def pretrained_outcomes(rank: int, world_size: int, cases: list[tuple[str, str]], snapshot):
     """Load each Hugging Face-layout ``path``; check pieces against the snapshot in ``dtype``."""
-    from shardwrap.pretrained import load_pretrained
+    from shardwrap.ckpt.pretrained import load_pretrained
 
     snapshot = convert(snapshot, torch.from_numpy)
     for path, dtype in cases:

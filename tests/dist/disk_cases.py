@@ -9,7 +9,7 @@ import torch
 
 import shardwrap
 from shardwrap.checkpoint import load_checkpoint, save_checkpoint
-from shardwrap.offload import is_file_backed
+from shardwrap.offload.disk import is_file_backed
 from tests import models
 from tests.dist.parity import build_model, wrap_policy
 

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
-from shardwrap.lr_schedules import WarmupLR
-from shardwrap.planner import STAGE_STRATEGIES
-from shardwrap.runtime import reduce_deferred_grads_for
+from shardwrap.deepspeed.lr_schedules import WarmupLR
+from shardwrap.planner.estimate import STAGE_STRATEGIES
+from shardwrap.runtime.step import reduce_deferred_grads_for
 from tests import models
 from tests.dist.parity import build_model, check_shards, concat, wrap_policy
 

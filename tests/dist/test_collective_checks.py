@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwrap
-from shardwrap.collectives import CollectiveMismatchError
+from shardwrap.comm.collectives import CollectiveMismatchError
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models
 from tests.dist.harness import run_ranks

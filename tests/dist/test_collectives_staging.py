@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwrap.collectives import CommLedger, Communicator, backend_handles_cpu
+from shardwrap.comm.collectives import CommLedger, Communicator, backend_handles_cpu
 from tests.dist.harness import run_ranks
 
 

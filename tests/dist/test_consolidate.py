@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardwrap.__main__ import main
-from shardwrap.consolidate import HF_INDEX_FILE, HF_SINGLE_FILE, consolidate
+from shardwrap.ckpt.consolidate import HF_INDEX_FILE, HF_SINGLE_FILE, consolidate
 from tests import models
 from tests.dist.ckpt_workers import assemble, phase, pretrained_outcomes
 from tests.dist.harness import run_ranks

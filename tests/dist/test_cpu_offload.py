@@ -1,6 +1,6 @@
 """CPUOffload(offload_params=True): host shards and a CPU optimizer step, exact on CPU.
 
-See [Note: host shards and staging] in ``shardwrap/host_offload.py``.
+See [Note: host shards and staging] in ``shardwrap/offload/host.py``.
 """
 
 from __future__ import annotations

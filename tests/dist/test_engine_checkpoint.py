@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -10,13 +9,6 @@ import pytest
 from tests.dist import engine_cases
 from tests.dist.harness import run_ranks
 
-needs_checkpoints = pytest.mark.skipif(
-    importlib.util.find_spec("shardwrap.checkpoint") is None,
-    reason="shardwrap.checkpoint is not in this build",
-)
-
-
-@needs_checkpoints
 def test_engine_checkpoint_resumes_on_another_world_size(tmp_path) -> None:
     save_dir = str(tmp_path)
     run_ranks(engine_cases.save_then_resume, 2, save_dir, 2)
@@ -26,7 +18,6 @@ def test_engine_checkpoint_resumes_on_another_world_size(tmp_path) -> None:
     run_ranks(engine_cases.save_then_resume, 3, save_dir, 2)
 
 
-@needs_checkpoints
 def test_load_without_latest_starts_fresh(one_rank, tmp_path) -> None:
     engine = engine_cases.make_engine(engine_cases.build_model("gpt"), 1, 1, 0.0)
     assert engine.load_checkpoint(str(tmp_path)) == (None, None)

@@ -1,6 +1,6 @@
 """A wrapped model lets go of its process groups before the interpreter finalizes.
 
-See [Note: process groups at interpreter exit] in ``shardwrap/at_exit.py``. Each rank
+See [Note: process groups at interpreter exit] in ``shardwrap/base/at_exit.py``. Each rank
 checks, in an exit handler that runs after shardwrap's, whether the world group's Python
 object is still alive: if it were, finalization would be the one to destroy it.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
-from shardwrap import at_exit
+from shardwrap.base import at_exit
 from tests import models
 from tests.dist.harness import run_ranks
 from tests.dist.parity import build_model, wrap_policy

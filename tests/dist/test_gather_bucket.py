@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardwrap
-from shardwrap.collectives import ROOT_LABEL
+from shardwrap.comm.collectives import ROOT_LABEL
 from tests import models
 from tests.dist import test_activation_checkpointing as checkpointing
 from tests.dist.harness import run_ranks

@@ -1,7 +1,7 @@
 """NO_SHARD keeps its flat gradient buffer across steps, never under a live gradient.
 
-See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/grad_buffer.py`` and
-[Note: in-place buckets] in ``shardwrap/bucketing.py``.
+See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/core/grad_buffers.py`` and
+[Note: in-place buckets] in ``shardwrap/runtime/reduce_bucket.py``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _num_allocated(model, seen: set) -> int:
     ``seen``: the keepers found by earlier calls, so a replaced one still counts.
     """
     schedule = model._runtime.schedule
-    seen.update(u.handle._grad_buffer for u in model.units if u.handle is not None)
+    seen.update(u.handle.grads._grad_buffer for u in model.units if u.handle is not None)
     seen.update(schedule.bucket_slots.buffers())
     return sum(b.num_allocated for b in seen)
 

@@ -9,7 +9,7 @@ import torch
 
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
-from shardwrap.runtime import reduce_deferred_grads_for
+from shardwrap.runtime.step import reduce_deferred_grads_for
 from tests.dist.harness import run_ranks
 from tests.dist.parity import (
     batch_for,

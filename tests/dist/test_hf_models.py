@@ -18,9 +18,9 @@ import transformers
 
 import shardwrap
 from shardwrap.checkpoint import save_checkpoint
-from shardwrap.consolidate import consolidate
+from shardwrap.ckpt.consolidate import consolidate
 from shardwrap.policies import transformer_auto_wrap_policy
-from shardwrap.pretrained import load_pretrained
+from shardwrap.ckpt.pretrained import load_pretrained
 from tests.dist.harness import run_ranks
 from tests.dist.parity import check_shards
 

@@ -1,6 +1,6 @@
 """Pairwise all-gather and reduce-scatter on gloo against torch's own collectives.
 
-See [Note: pairwise collectives on gloo] in ``shardwrap/pairwise.py``.
+See [Note: pairwise collectives on gloo] in ``shardwrap/comm/pairwise.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwrap import posting
-from shardwrap.collectives import CommLedger, Communicator
+from shardwrap.comm import posting
+from shardwrap.comm.collectives import CommLedger, Communicator
 from tests.dist.harness import run_ranks
 
 SHARD_NUMEL = 7

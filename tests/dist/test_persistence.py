@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import shardwrap
-from shardwrap.collectives import ROOT_LABEL
-from shardwrap.ds_config import DeepSpeedConfig
-from shardwrap.planner import estimate_memory
+from shardwrap.comm.collectives import ROOT_LABEL
+from shardwrap.deepspeed.config import DeepSpeedConfig
+from shardwrap.planner.estimate import estimate_memory
 from tests.dist import engine_cases
 from tests.dist.ckpt_workers import STEPS_PER_PHASE, assemble, phase
 from tests.dist.harness import run_ranks

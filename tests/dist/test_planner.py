@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardwrap
-from shardwrap.planner import STAGE_STRATEGIES, estimate_memory
+from shardwrap.planner.estimate import STAGE_STRATEGIES, estimate_memory
 from tests.dist.harness import run_ranks
 from tests.dist.parity import batch_for, build_model, loss_for, make_optimizer, wrap_policy
 

@@ -1,6 +1,6 @@
 """ZeRO-1 reduces each unit's gradients during backward, and only outside ``no_sync``.
 
-See [Note: ZeRO-1 reduces in backward] in ``shardwrap/runtime.py``.
+See [Note: ZeRO-1 reduces in backward] in ``shardwrap/runtime/step.py``.
 """
 
 from __future__ import annotations

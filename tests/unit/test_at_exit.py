@@ -1,6 +1,6 @@
 """Exit handling without a process group: what ``release_all`` does to tracked holders.
 
-See [Note: process groups at interpreter exit] in ``shardwrap/at_exit.py``; the
+See [Note: process groups at interpreter exit] in ``shardwrap/base/at_exit.py``; the
 multi-rank check is ``tests/dist/test_exit.py``.
 """
 
@@ -10,7 +10,7 @@ import gc
 
 import pytest
 
-from shardwrap import at_exit
+from shardwrap.base import at_exit
 
 
 class _Holder:

@@ -12,7 +12,7 @@ from shardwrap import (
     load_checkpoint,
     save_checkpoint,
 )
-from shardwrap.consolidate import parse_dtype, parse_size, plan_shards
+from shardwrap.ckpt.consolidate import parse_dtype, parse_size, plan_shards
 from tests import models
 from tests.dist import parity
 

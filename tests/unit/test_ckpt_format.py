@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from shardwrap.ckpt_format import (
+from shardwrap.ckpt.format import (
     INDEX_NAME,
     CheckpointError,
     CheckpointIndex,
@@ -25,8 +25,8 @@ from shardwrap.ckpt_format import (
     remove_stale_files,
     write_atomic,
 )
-from shardwrap.ckpt_reader import CheckpointReader, verify_files
-from shardwrap.safetensors_stream import StreamItem, write_stream
+from shardwrap.ckpt.reader import CheckpointReader, verify_files
+from shardwrap.ckpt.safetensors_writer import StreamItem, write_stream
 
 
 def _items(tensors: dict[str, torch.Tensor]) -> list[StreamItem]:

@@ -21,7 +21,7 @@ PEAK_GROWTH_LIMIT = 6 * LAYER_BYTES
 # Linux: writing 5 to clear_refs resets the peak (VmHWM) to the current resident size.
 _MEASURE = """
 import sys
-from shardwrap.consolidate import consolidate
+from shardwrap.ckpt.consolidate import consolidate
 def kib(field):
     line = next(l for l in open("/proc/self/status") if l.startswith(field))
     return int(line.split()[1])

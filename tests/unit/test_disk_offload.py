@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardwrap
-from shardwrap.offload import is_file_backed
+from shardwrap.offload.disk import is_file_backed
 from tests import models
 from tests.dist import disk_cases
 

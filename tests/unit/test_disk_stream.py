@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import shardwrap
-from shardwrap.offload_stream import PIECE_ALIGNMENT, sub_groups
+from shardwrap.offload.disk_step import PIECE_ALIGNMENT, sub_groups
 from tests import models
 from tests.dist import disk_cases
 

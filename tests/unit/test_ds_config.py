@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from shardwrap.ds_config import DeepSpeedConfig, OffloadDevice, derive_batch_sizes
-from shardwrap.ds_optimizer import OptimizerType, SchedulerType
-from shardwrap.engine_setup import disk_offload_of
+from shardwrap.deepspeed.config import DeepSpeedConfig, derive_batch_sizes
+from shardwrap.deepspeed.optimizer import OptimizerType, SchedulerType
+from shardwrap.deepspeed.setup import disk_offload_of
+from shardwrap.deepspeed.zero import OffloadDevice
 from shardwrap.options import DiskOffload
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -124,15 +122,3 @@ def test_batch_accessors_and_config_from_args(one_rank, tmp_path):
     engine, _, loader, scheduler = shardwrap.initialize(args=args, model=models.MLP())
     assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()) == (6, 2)
     assert engine.gradient_accumulation_steps() == 3 and loader is None and scheduler is None
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("shardwrap.checkpoint") is not None,
-    reason="shardwrap.checkpoint exists; the error for its absence cannot occur",
-)
-def test_checkpoint_without_checkpoint_module(one_rank, tmp_path):
-    engine, _, _, _ = shardwrap.initialize(model=models.MLP(), config=config())
-    with pytest.raises(RuntimeError, match="need shardwrap.checkpoint"):
-        engine.save_checkpoint(tmp_path)
-    with pytest.raises(RuntimeError, match="need shardwrap.checkpoint"):
-        engine.load_checkpoint(tmp_path)

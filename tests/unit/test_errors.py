@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwrap
+from shardwrap.build.setup import check_one_device
 from shardwrap.policies import ModuleWrapPolicy
-from shardwrap.wrap_setup import check_one_device
 from tests import models
 
 

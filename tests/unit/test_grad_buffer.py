@@ -1,6 +1,6 @@
 """Reuse of the plain data-parallel gradient buffer (no process group).
 
-See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/grad_buffer.py``.
+See [Note: reusing the data-parallel gradient buffer] in ``shardwrap/core/grad_buffers.py``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwrap.grad_buffer import PlanBuffers, ReusableGradBuffer, ScratchPool, held_only_by
+from shardwrap.core.grad_buffers import PlanBuffers, ReusableGradBuffer, ScratchPool, held_only_by
 
 NUMEL = 12
 

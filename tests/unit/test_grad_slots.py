@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwrap.grad_slots import GradSlots, chunk_split
-from shardwrap.layout import FlatLayout
+from shardwrap.layout.flat import FlatLayout
+from shardwrap.layout.grad_slots import GradSlots, chunk_split
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 mixed_layouts = st.builds(

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from shardwrap.grad_slots import GradSlots
-from shardwrap.grad_transfer import _flatten_end_to_end, assign_reduced, flatten_local_grads
-from shardwrap.layout import FlatLayout
+from shardwrap.core.grad_transfer import _flatten_end_to_end, assign_reduced, flatten_local_grads
+from shardwrap.layout.flat import FlatLayout
+from shardwrap.layout.grad_slots import GradSlots
 
 SHAPES = [("a", (2, 3), True), ("b", (4,), True), ("c", (3,), True)]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import shardwrap
-from shardwrap.engine_setup import _check_prewrapped_offload
-from shardwrap.host_offload import HostStaging, host_staging_for
-from shardwrap.planner import Location, estimate_memory
+from shardwrap.deepspeed.setup import _check_prewrapped_offload
+from shardwrap.offload.host import HostStaging, host_staging_for
+from shardwrap.planner.estimate import Location, estimate_memory
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwrap.layout import FlatLayout, padded_numel, piece_of, shard_range
+from shardwrap.layout.flat import FlatLayout, padded_numel, piece_of, shard_range
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 layouts = st.builds(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardwrap.ds_config import FP16Config
-from shardwrap.loss_scaler import LossScaler
+from shardwrap.deepspeed.config import FP16Config
+from shardwrap.deepspeed.loss_scaler import LossScaler
 
 
 def scales(config: FP16Config, overflows: list[bool]) -> list[float]:

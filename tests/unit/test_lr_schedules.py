@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shardwrap.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from shardwrap.deepspeed.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 def optimizer(lr: float = 1.0, groups: int = 1) -> torch.optim.Optimizer:

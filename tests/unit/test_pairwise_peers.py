@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardwrap.pairwise import _peer_index, _peers
+from shardwrap.comm.pairwise import _peer_index, _peers
 
 
 @st.composite

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from shardwrap.__main__ import main
-from shardwrap.cli_estimate import parse_bytes
-from shardwrap.planner import Location, cheapest_fitting, estimate_memory
+from shardwrap.planner.cli import parse_bytes
+from shardwrap.planner.estimate import Location, cheapest_fitting, estimate_memory
 
 P, N = 7_000_000_000, 8
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from shardwrap import posting
+from shardwrap.comm import posting
 
 
 def test_posts_run_off_the_caller_thread_in_order() -> None:

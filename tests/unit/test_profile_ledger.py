@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardwrap import profile
-from shardwrap.collectives import CommLedger, CommRecord, Communicator
+from shardwrap.comm.collectives import CommLedger, CommRecord, Communicator
 
 
 class _SlowWork:

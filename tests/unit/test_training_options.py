@@ -10,8 +10,9 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 import shardwrap
-from shardwrap.grad_clip import _check_norm_type
-from shardwrap.mixed_precision import HandlePrecision, excluded_modules, handle_precision
+from shardwrap.build.casts import excluded_modules
+from shardwrap.core.precision import HandlePrecision, handle_precision
+from shardwrap.features.grad_clip import _check_norm_type
 
 
 def test_mixed_precision_options_are_validated():

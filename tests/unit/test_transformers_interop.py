@@ -10,9 +10,9 @@ import torch
 
 from shardwrap import ShardedModule
 from shardwrap.checkpoint import save_checkpoint
-from shardwrap.consolidate import consolidate
+from shardwrap.ckpt.consolidate import consolidate
+from shardwrap.ckpt.pretrained import load_pretrained
 from shardwrap.policies import ModuleWrapPolicy
-from shardwrap.pretrained import load_pretrained
 
 transformers = pytest.importorskip("transformers")
 

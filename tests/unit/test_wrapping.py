@@ -12,12 +12,11 @@ import shardwrap
 from shardwrap.policies import (
     CustomPolicy,
     ModuleWrapPolicy,
-    enable_wrap,
     select_units,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
-    wrap,
 )
+from shardwrap.wrap import enable_wrap, wrap
 from tests import models
 
 

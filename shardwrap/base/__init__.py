@@ -1,0 +1,1 @@
+"""Bottom layer: argument checks, dtype and size tables, private torch APIs, exit hooks."""

@@ -1,0 +1,48 @@
+"""Every private torch API shardwrap uses, in one place, each with what it is for.
+
+When a torch upgrade moves one of these, this module is the only one to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = [
+    "preserve_version_counter",
+    "queue_backward_callback",
+    "storage_use_count",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+]
+
+
+def preserve_version_counter(tensor: torch.Tensor) -> Any:
+    """A context in which writes to ``tensor`` leave its version counter as it was.
+
+    The gathered buffer is written in place by collectives; autograd must not see those
+    writes as modifications of tensors it saved.
+    """
+    return torch.autograd._unsafe_preserve_version_counter(tensor)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass is over (autograd's own queue)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# Counts the tensors (and the Python storage object) sharing a storage; ``None`` where this
+# torch lacks it (then nothing is reused, which is slower but correct).
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    """How many tensors (plus the Python storage object) share ``storage``; ``None`` when
+    this torch cannot tell."""
+    if _storage_use_count is None:
+        return None
+    return _storage_use_count(storage._cdata)

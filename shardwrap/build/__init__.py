@@ -1,0 +1,1 @@
+"""Wrap time: module tree to units, communicators, casts, deferred init, nesting."""

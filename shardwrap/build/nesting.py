@@ -1,0 +1,64 @@
+"""Wrapping inside a wrap: refuse a module wrapped twice, adopt nested wrappers' units.
+
+A ``ShardedModule`` built around a model that already holds ``ShardedModule`` children
+(FSDP1's nested wrapping style) takes those children's units over as its own: the
+children disappear from the module tree, and their units' names become relative to the
+new root. A module that some other ``ShardedModule`` already manages cannot be wrapped
+again. ``wrapper`` is the ``ShardedModule`` class, passed in so this module need not
+import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..core.unit import Unit
+from ..runtime import registry
+
+
+def check_not_wrapped(module: object, wrapper: type) -> None:
+    """Raise unless ``module`` is a module no ``ShardedModule`` manages yet (nested ones
+    inside it are fine: they are adopted)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
+    if isinstance(module, wrapper):
+        raise ValueError("module: this module is already a ShardedModule (wrapped twice)")
+    for name, sub in module.named_modules():
+        if registry.is_managed(sub) and not _is_nested_root(module, sub, wrapper):
+            where = f"submodule {name!r}" if name else "the module"
+            raise ValueError(
+                f"module: {where} is already managed by a ShardedModule (wrapped twice)"
+            )
+
+
+def _is_nested_root(root: nn.Module, sub: nn.Module, wrapper: type) -> bool:
+    """Whether ``sub`` belongs to a ``ShardedModule`` sitting inside ``root`` (absorbable)."""
+    return any(
+        isinstance(m, wrapper) and any(u.module is sub for u in m.units) for m in root.modules()
+    )
+
+
+def absorb_nested(module: nn.Module, wrapper: type) -> list[Unit]:
+    """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
+
+    The adopted units' names and parameter names become relative to ``module``.
+    """
+    adopted: list[Unit] = []
+    for parent_name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, wrapper):
+                nested: Any = child
+                path = f"{parent_name}.{child_name}" if parent_name else child_name
+                units = nested.units
+                runtime = registry.runtime_of(units[0])
+                if runtime is not None:
+                    runtime.remove_hooks()
+                for unit in units:
+                    unit.name = f"{path}.{unit.name}" if unit.name else path
+                    if unit.handle is not None:
+                        unit.handle.rename(path)
+                adopted.extend(units)
+                parent._modules[child_name] = nested.module
+    return adopted

@@ -1,0 +1,47 @@
+"""Building a unit: flatten the parameters it owns into a handle (``layout/partition.py`` decides
+which parameters it owns)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..comm.collectives import Communicator
+from ..core.precision import handle_precision
+from ..core.storage import ShardAllocator
+from ..core.unit import Unit
+from ..flat_param import FlatParamHandle
+from ..layout.flat import FlatLayout
+from ..layout.partition import ParamRecord
+from ..options import MixedPrecision, ShardingStrategy
+
+
+def build_unit(
+    *,
+    name: str,
+    module: nn.Module,
+    records: list[ParamRecord],
+    shard_comm: Communicator,
+    replicate_comm: Communicator | None,
+    strategy: ShardingStrategy,
+    mixed_precision: MixedPrecision | None = None,
+    shard_allocator: ShardAllocator | None = None,
+) -> Unit:
+    """Flatten ``records`` into one handle (none if empty) and make the unit."""
+    handle = None
+    if records:
+        layout = FlatLayout.build(
+            [(r.fqn, tuple(r.param.shape), r.param.requires_grad) for r in records],
+            shard_comm.size,
+        )
+        handle = FlatParamHandle(
+            unit_name=name,
+            layout=layout,
+            params=[r.param for r in records],
+            sites=[r.sites for r in records],
+            shard_comm=shard_comm,
+            replicate_comm=replicate_comm,
+            strategy=strategy,
+            precision=handle_precision(mixed_precision, records[0].param.dtype),
+            shard_allocator=shard_allocator,
+        )
+    return Unit(name=name, module=module, handle=handle, strategy=strategy)

@@ -1,0 +1,360 @@
+"""On-disk format of a sharded checkpoint: the JSON index, checksums, safe file writes.
+
+[Note: checkpoint layout]
+A checkpoint is a folder::
+
+    index.json                          written last, by world rank 0: the commit point
+    <save_id>-rank00000.safetensors     what world rank 0 wrote (model, optimizer, buffers)
+    <save_id>-rank00001.safetensors     ...
+
+Every saved tensor is a 1-D *piece*: the element range ``[start, end)`` of one original
+tensor, flattened. The index maps each original name to its global shape, dtype and the
+pieces (file, key, range) that cover it exactly once. Each file's entry carries its size,
+the sha256 of its bytes and the sha256 of every fixed-size chunk of every tensor in it (a
+loading rank verifies just the chunks it reads). Nothing is pickled.
+
+A save writes every file under a temporary name, fsyncs it and renames it; only once all
+ranks' files are durable does rank 0 write the index the same way. A folder whose index
+is missing is an unfinished save. Files of an older save stay untouched (their names carry
+another save id) until a newer index replaces the old one.
+
+This module is pure file handling: no process group, so it is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..base.dtypes import BY_NAME
+
+INDEX_NAME = "index.json"
+FORMAT_NAME = "shardwrap-checkpoint"
+FORMAT_VERSION = 1
+SHARD_FILE_PATTERN = re.compile(r"^[0-9a-f]{16}-rank\d{5}\.safetensors$")
+TEMP_SUFFIX = ".tmp"
+DEFAULT_CHUNK_BYTES = 1 << 22  # 4 MiB: the unit of checksum verification on load
+MAX_ITEMSIZE = 8  # chunks hold whole elements of every supported dtype
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupt, or does not fit the model."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in BY_NAME:
+        raise TypeError(f"dtype {dtype} cannot be stored in a checkpoint")
+    return name
+
+
+def dtype_from_name(name: str, where: str) -> torch.dtype:
+    if name not in BY_NAME:
+        raise CheckpointError(f"{where}: unknown dtype {name!r} in the index")
+    return BY_NAME[name]
+
+
+def shard_file_name(save_id: str, world_rank: int) -> str:
+    return f"{save_id}-rank{world_rank:05d}.safetensors"
+
+
+def chunk_digests(data: memoryview, chunk_bytes: int) -> list[str]:
+    """sha256 of each ``chunk_bytes``-sized chunk of ``data`` (the last may be shorter)."""
+    return [
+        hashlib.sha256(data[start : start + chunk_bytes]).hexdigest()
+        for start in range(0, len(data), chunk_bytes)
+    ]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes (row-major, native little-endian), without a copy when contiguous."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+# ------------------------------------------------------------------- index records
+@dataclass(frozen=True, slots=True)
+class PieceRef:
+    """Elements ``[start, end)`` of a flattened tensor, stored as ``key`` in ``file``."""
+
+    file: str
+    key: str
+    start: int
+    end: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "key": self.key, "start": self.start, "end": self.end}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One original tensor: global shape, dtype and the pieces that hold it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[PieceRef, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "pieces": [p.to_json() for p in self.pieces],
+        }
+
+    @staticmethod
+    def from_json(name: str, raw: Any) -> TensorEntry:
+        try:
+            shape = tuple(int(d) for d in raw["shape"])
+            pieces = tuple(
+                PieceRef(str(p["file"]), str(p["key"]), int(p["start"]), int(p["end"]))
+                for p in raw["pieces"]
+            )
+            entry = TensorEntry(shape, str(raw["dtype"]), pieces)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"index entry {name!r} is malformed: {exc!r}") from exc
+        dtype_from_name(entry.dtype, f"index entry {name!r}")
+        check_coverage(name, entry)
+        return entry
+
+
+def check_coverage(name: str, entry: TensorEntry) -> None:
+    """The pieces of ``entry`` must tile ``[0, numel)`` exactly once (empty pieces ignored)."""
+    spans = sorted((p.start, p.end) for p in entry.pieces if p.end != p.start)
+    position = 0
+    for start, end in spans:
+        if start != position or end < start:
+            raise CheckpointError(
+                f"tensor {name!r}: pieces do not tile [0, {entry.numel}) (gap or overlap at "
+                f"element {position}, next piece [{start}, {end}))"
+            )
+        position = end
+    if position != entry.numel:
+        raise CheckpointError(
+            f"tensor {name!r}: pieces cover {position} of its {entry.numel} elements"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One safetensors file of the checkpoint and its checksums.
+
+    Each tensor's bytes are hashed in chunks of ``chunk_bytes``, so that a rank reading a
+    range verifies only the chunks it reads; ``sha256`` covers the whole file (inspect).
+    """
+
+    size: int
+    sha256: str
+    chunk_bytes: int
+    chunk_sha256: dict[str, list[str]]  # tensor key -> digests of its chunks
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "sha256": self.sha256,
+            "chunk_bytes": self.chunk_bytes,
+            "tensors": self.chunk_sha256,
+        }
+
+    @staticmethod
+    def from_json(name: str, raw: Any) -> FileEntry:
+        try:
+            chunks = {str(k): [str(d) for d in v] for k, v in raw["tensors"].items()}
+            entry = FileEntry(int(raw["size"]), str(raw["sha256"]), int(raw["chunk_bytes"]), chunks)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"index entry for file {name!r} is malformed: {exc!r}") from exc
+        if entry.chunk_bytes <= 0 or entry.chunk_bytes % MAX_ITEMSIZE:
+            raise CheckpointError(
+                f"index entry for file {name!r}: chunk_bytes {entry.chunk_bytes} is not a "
+                f"positive multiple of {MAX_ITEMSIZE}"
+            )
+        return entry
+
+
+# ------------------------------------------------------------------------ paths
+def member_path(root: str, name: str) -> str:
+    """``root/name`` for a file named in the index; refuses names that leave ``root``."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or os.path.isabs(name)
+        or name != os.path.basename(name)
+        or name in (".", "..")
+        or "\\" in name
+        or "\x00" in name
+    ):
+        raise CheckpointError(
+            f"checkpoint {root}: the index names file {name!r}, which is not a plain file "
+            "name inside the checkpoint folder (path traversal refused)"
+        )
+    full = os.path.realpath(os.path.join(root, name))
+    if os.path.dirname(full) != os.path.realpath(root):
+        raise CheckpointError(
+            f"checkpoint {root}: file {name!r} resolves to {full}, outside the checkpoint folder"
+        )
+    return full
+
+
+# ---------------------------------------------------------------- durable writes
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(folder: str, name: str, data: bytes) -> None:
+    """Write ``folder/name`` so that it exists complete or not at all."""
+    temp = os.path.join(folder, f".{name}{TEMP_SUFFIX}")
+    with open(temp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, os.path.join(folder, name))
+    fsync_dir(folder)
+
+
+def remove_stale_files(folder: str, keep: set[str]) -> list[str]:
+    """Delete shard files and temporaries of older or unfinished saves; returns their names."""
+    removed = []
+    for name in os.listdir(folder):
+        stale_shard = SHARD_FILE_PATTERN.match(name) and name not in keep
+        temporary = name.startswith(".") and name.endswith(TEMP_SUFFIX)
+        if stale_shard or temporary:
+            os.remove(os.path.join(folder, name))
+            removed.append(name)
+    return removed
+
+
+# ------------------------------------------------------------------------ index
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """The parsed ``index.json``."""
+
+    meta: dict[str, Any]  # world_size, strategy, save_id, ...
+    params: dict[str, TensorEntry]  # canonical parameter name -> entry
+    aliases: dict[str, str]  # tied parameter name -> canonical name
+    buffers: dict[str, TensorEntry]
+    optim_state: dict[str, dict[str, Any]] | None  # param -> state name -> entry or value
+    param_groups: list[dict[str, Any]] | None  # hyperparameters + "params": [names]
+    files: dict[str, FileEntry]
+    extra: Any
+
+    def to_json(self) -> dict[str, Any]:
+        optim = None
+        if self.optim_state is not None:
+            optim = {
+                "state": {
+                    name: {k: _state_to_json(v) for k, v in states.items()}
+                    for name, states in self.optim_state.items()
+                },
+                "param_groups": self.param_groups,
+            }
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            **self.meta,
+            "params": {k: v.to_json() for k, v in self.params.items()},
+            "aliases": self.aliases,
+            "buffers": {k: v.to_json() for k, v in self.buffers.items()},
+            "optimizer": optim,
+            "files": {k: v.to_json() for k, v in self.files.items()},
+            "extra": self.extra,
+        }
+
+    def resolve(self, name: str) -> str:
+        return self.aliases.get(name, name)
+
+
+def _state_to_json(value: TensorEntry | dict[str, Any]) -> dict[str, Any]:
+    return value.to_json() if isinstance(value, TensorEntry) else value
+
+
+def _state_from_json(name: str, raw: Any) -> TensorEntry | dict[str, Any]:
+    if isinstance(raw, dict) and "value" in raw and len(raw) == 1:
+        return raw
+    return TensorEntry.from_json(name, raw)
+
+
+def parse_index(root: str, raw: Any) -> CheckpointIndex:
+    """Validate the JSON of an index (format, entries, file names) and parse it."""
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"checkpoint {root}: {INDEX_NAME} is not a shardwrap index")
+    if raw.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {root}: format version {raw.get('version')!r}, this shardwrap reads "
+            f"version {FORMAT_VERSION}"
+        )
+    files = {name: FileEntry.from_json(name, v) for name, v in raw.get("files", {}).items()}
+    for name in files:
+        member_path(root, name)
+    params = {k: TensorEntry.from_json(k, v) for k, v in raw.get("params", {}).items()}
+    buffers = {k: TensorEntry.from_json(k, v) for k, v in raw.get("buffers", {}).items()}
+    optim = raw.get("optimizer")
+    optim_state = param_groups = None
+    if optim is not None:
+        optim_state = {
+            name: {k: _state_from_json(f"{name}/{k}", v) for k, v in states.items()}
+            for name, states in optim["state"].items()
+        }
+        param_groups = list(optim["param_groups"])
+    for entry in _all_entries(params, buffers, optim_state):
+        for piece in entry.pieces:
+            if piece.file not in files:
+                member_path(root, piece.file)
+                raise CheckpointError(
+                    f"checkpoint {root}: a piece names file {piece.file!r}, absent from the index"
+                )
+    meta_keys = ("save_id", "world_size", "num_shards", "strategy", "shardwrap_version")
+    meta = {k: raw[k] for k in meta_keys if k in raw}
+    aliases = dict(raw.get("aliases", {}))
+    return CheckpointIndex(
+        meta, params, aliases, buffers, optim_state, param_groups, files, raw.get("extra")
+    )
+
+
+def _all_entries(params, buffers, optim_state):
+    yield from params.values()
+    yield from buffers.values()
+    for states in (optim_state or {}).values():
+        yield from (v for v in states.values() if isinstance(v, TensorEntry))
+
+
+def read_index(root: str) -> CheckpointIndex:
+    """Read ``root/index.json``; a folder of shard files without one is an unfinished save."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"checkpoint {root}: no such folder")
+    index_path = os.path.join(root, INDEX_NAME)
+    if not os.path.exists(index_path):
+        shards = [n for n in os.listdir(root) if SHARD_FILE_PATTERN.match(n)]
+        temporaries = [n for n in os.listdir(root) if n.endswith(TEMP_SUFFIX)]
+        if shards or temporaries:
+            raise CheckpointError(
+                f"checkpoint {root} is incomplete: {len(shards)} shard file(s) and "
+                f"{len(temporaries)} temporary file(s) but no {INDEX_NAME}; the save did not "
+                "finish (a rank failed or was killed). Load an earlier checkpoint."
+            )
+        raise CheckpointError(f"checkpoint {root}: no {INDEX_NAME} (not a shardwrap checkpoint)")
+    with open(index_path, encoding="utf-8") as handle:
+        try:
+            raw = json.load(handle)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(
+                f"checkpoint {root}: {INDEX_NAME} is not valid JSON: {exc}"
+            ) from exc
+    return parse_index(root, raw)
+
+
+def index_bytes(index: CheckpointIndex) -> bytes:
+    return json.dumps(index.to_json(), indent=1, sort_keys=False).encode("utf-8")

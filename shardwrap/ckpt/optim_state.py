@@ -1,0 +1,143 @@
+"""Optimizer state of shard parameters, by original parameter name.
+
+An optimizer over a ``ShardedModule`` holds this rank's pieces (see ``ckpt/slots.py``). Its
+per-parameter state falls in three kinds:
+
+* *sharded*: a tensor shaped like the piece (Adam's ``exp_avg``, SGD's momentum): it is
+  the same element range of a tensor shaped like the original parameter;
+* *scalar*: a 0-dim tensor (Adam's ``step``), equal on every rank;
+* *value*: a plain JSON number or flag.
+
+Anything else (a factored second moment, say) cannot be resharded and is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .slots import ModelSlots, ParamSlot
+
+SHARDED, SCALAR, VALUE = "sharded", "scalar", "value"
+
+
+def state_kind(slot: ParamSlot, name: str, value: Any) -> str:
+    """How state ``name`` of ``slot``'s parameter is stored (or a ``TypeError``)."""
+    if isinstance(value, torch.Tensor):
+        if value.shape == slot.local.shape and not (value.dim() == 0 and name == "step"):
+            return SHARDED
+        if value.dim() == 0:
+            return SCALAR
+        raise TypeError(
+            f"optimizer state {name!r} of parameter {slot.fqn!r} has shape "
+            f"{tuple(value.shape)}, neither the local piece's {tuple(slot.local.shape)} nor a "
+            "scalar; shardwrap cannot reshard it"
+        )
+    if value is None or isinstance(value, bool | int | float | str):
+        return VALUE
+    raise TypeError(
+        f"optimizer state {name!r} of parameter {slot.fqn!r} is a {type(value).__name__}; "
+        "only tensors and JSON scalars can be saved"
+    )
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer, slots: ModelSlots) -> list[list[ParamSlot]]:
+    """The slot of every optimizer parameter, group by group."""
+    groups = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        found = []
+        for param in group["params"]:
+            slot = slots.by_param.get(id(param))
+            if slot is None:
+                raise ValueError(
+                    f"optimizer: param_groups[{group_index}] holds a tensor of shape "
+                    f"{tuple(param.shape)} that is not a parameter of the model; build the "
+                    "optimizer from the ShardedModule's parameters"
+                )
+            found.append(slot)
+        groups.append(found)
+    return groups
+
+
+def hyperparameters(group: dict[str, Any], group_index: int) -> dict[str, Any]:
+    """A parameter group's settings as JSON values (tuples become lists)."""
+    settings = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            value = value.item()
+        value = list(value) if isinstance(value, tuple) else value
+        try:
+            json.dumps(value)
+        except TypeError as exc:
+            raise TypeError(
+                f"optimizer: param_groups[{group_index}][{key!r}] = {value!r} is not JSON"
+            ) from exc
+        settings[key] = value
+    return settings
+
+
+def restore_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """Saved settings in the types the live group uses (lists back to tuples)."""
+    restored = {}
+    for key, value in saved.items():
+        if key == "params":
+            continue
+        now = current.get(key)
+        if isinstance(now, tuple) and isinstance(value, list):
+            value = tuple(value)
+        elif isinstance(now, torch.Tensor) and not isinstance(value, torch.Tensor):
+            value = torch.tensor(value, dtype=now.dtype, device=now.device)
+        restored[key] = value
+    return restored
+
+
+StateReader = Callable[[ParamSlot, str], Any]  # (slot, state name) -> local value
+
+
+def build_load_dict(
+    optimizer: torch.optim.Optimizer,
+    groups_slots: list[list[ParamSlot]],
+    saved_groups: list[dict[str, Any]],
+    saved_state_names: dict[str, list[str]],
+    read: StateReader,
+) -> dict[str, Any]:
+    """An ``optimizer.load_state_dict`` argument for this rank's pieces.
+
+    ``saved_groups`` have ``"params"`` as lists of names; ``saved_state_names`` lists the
+    state names saved per parameter name; ``read`` produces one local value.
+    """
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"optimizer: the saved state has {len(saved_groups)} param groups, this optimizer "
+            f"has {len(optimizer.param_groups)}"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    position = 0
+    for group_index, (group, slots, saved) in enumerate(
+        zip(optimizer.param_groups, groups_slots, saved_groups, strict=True)
+    ):
+        names = [s.fqn for s in slots]
+        if sorted(names) != sorted(saved["params"]):
+            raise ValueError(
+                f"optimizer: param_groups[{group_index}] holds {sorted(names)}, the saved "
+                f"group holds {sorted(saved['params'])}"
+            )
+        ids = list(range(position, position + len(slots)))
+        position += len(slots)
+        for param_id, slot in zip(ids, slots, strict=True):
+            wanted = saved_state_names.get(slot.fqn, [])
+            if wanted:
+                state[param_id] = {name: read(slot, name) for name in wanted}
+        groups.append({**restore_settings(saved, group), "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def local_view(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
+    """A 1-D range of a parameter-shaped state, shaped like the local piece."""
+    return flat.reshape(slot.local.shape)

@@ -1,0 +1,3 @@
+"""The only user of torch.distributed collectives: communicators, pairwise exchange, posting,
+groups.
+"""

@@ -1,0 +1,369 @@
+"""The only module that calls ``torch.distributed`` collectives (with :mod:`.pairwise`, its
+point-to-point half on gloo).
+
+Every collective shardwrap issues goes through a :class:`Communicator`, which records
+its kind and payload bytes in a :class:`CommLedger`. Tests count traffic there, and a
+group of one rank never touches the network: its collectives are local copies and are
+not recorded, because nothing is moved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..base import at_exit
+from ..base.validate import check_int
+from . import pairwise
+
+ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")
+
+
+@dataclass(frozen=True, slots=True)
+class CommRecord:
+    """One collective as this rank issued it."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
+    purpose: str  # e.g. "params", "grads", "grad_presence", "init"
+    num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
+    group_size: int
+    unit: str = ""  # the unit it serves ("" for the root unit or none)
+    elapsed_s: float | None = None  # issue to end of wait, when the ledger times collectives
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends on a ring: (N-1)/N of the buffer, twice for an all-reduce."""
+        factor = 2.0 if self.kind == "all_reduce" else 1.0
+        return factor * self.num_bytes * (self.group_size - 1) / self.group_size
+
+
+# Records a ledger keeps at most; see CommLedger.
+MAX_LEDGER_RECORDS = 10_000
+
+
+@dataclass
+class CommLedger:
+    """The collectives issued, oldest first; ``reset`` between measured steps.
+
+    A training loop that never resets it must not grow it without end (every record is
+    memory, and an object the garbage collector walks), so once it holds more than
+    ``max_records`` the oldest records are dropped, half of them at a time: the last few
+    hundred steps of a typical model stay readable. ``num_recorded`` counts every record
+    ever made, dropped or not.
+    """
+
+    records: list[CommRecord] = field(default_factory=list)
+    time_collectives: bool = False  # note each collective's wall time (shardwrap.profile)
+    max_records: int = MAX_LEDGER_RECORDS
+    num_recorded: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("max_records", self.max_records, minimum=2)
+
+    def record(self, record: CommRecord) -> None:
+        self.records.append(record)
+        self.num_recorded += 1
+        if len(self.records) > self.max_records:
+            del self.records[: len(self.records) - self.max_records // 2]
+
+    def recorded_since(self, num_recorded: int) -> list[CommRecord]:
+        """The records made after ``num_recorded`` was read, as far as they are still kept."""
+        count = self.num_recorded - num_recorded
+        if count <= 0:
+            return []
+        # Fewer kept than made: some were dropped or reset away since; all that remain.
+        return self.records[-count:] if count <= len(self.records) else list(self.records)
+
+    def note_elapsed(self, record: CommRecord, seconds: float) -> None:
+        """Attach a wall time to ``record`` (a no-op if the ledger was reset meanwhile)."""
+        for index in range(len(self.records) - 1, -1, -1):
+            if self.records[index] is record:
+                self.records[index] = replace(record, elapsed_s=seconds)
+                return
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def count(self, kind: str, purpose: str | None = None) -> int:
+        return sum(1 for r in self._matching(kind, purpose))
+
+    def bytes(self, kind: str, purpose: str | None = None) -> int:
+        return sum(r.num_bytes for r in self._matching(kind, purpose))
+
+    def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(kind, purpose): (count, bytes)}``."""
+        counts: Counter[tuple[str, str]] = Counter()
+        sizes: Counter[tuple[str, str]] = Counter()
+        for r in self.records:
+            counts[(r.kind, r.purpose)] += 1
+            sizes[(r.kind, r.purpose)] += r.num_bytes
+        return {key: (counts[key], sizes[key]) for key in counts}
+
+    def _matching(self, kind: str, purpose: str | None):
+        return (
+            r for r in self.records if r.kind == kind and (purpose is None or r.purpose == purpose)
+        )
+
+
+def _num_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _DoneWork:
+    """Stand-in for a finished ``dist.Work`` (for groups of one rank)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class Communicator:
+    """Collectives over one process group, recorded in ``ledger``.
+
+    ``group=None`` means a group of just this process (no network at all).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger) -> None:
+        self.group = group
+        self.ledger = ledger
+        self.rank: int = dist.get_rank(group) if group is not None else 0
+        self.size: int = dist.get_world_size(group) if group is not None else 1
+        self.checker: CollectiveChecker | None = None  # debug: verify ranks agree first
+        # [Note: host tensors on accelerator-only backends]
+        # Flags, norms and counts are small host tensors. A group whose backend has no CPU
+        # transport (plain "nccl") cannot reduce them, so they travel through a copy on the
+        # current accelerator; "gloo" or a device-mapped backend ("cpu:gloo,cuda:nccl",
+        # torch's default) reduces them where they are.
+        backend = None if group is None else dist.get_backend(group)
+        self.host_capable = backend is None or backend_handles_cpu(backend)
+        self.staging_device: torch.device | None = None  # None: the current accelerator
+        self._gloo = backend == "gloo"
+        self._released = False
+        if group is not None:
+            at_exit.track(self)
+
+    def release_group(self) -> None:
+        """Drop the reference to the process group; see [Note: process groups at interpreter
+        exit]. Any later collective raises."""
+        self.group = None
+        self._released = True
+
+    def _check_not_released(self) -> None:
+        if self._released:
+            raise RuntimeError(
+                "shardwrap: this module's process group was released at interpreter exit; "
+                "no collective can run after that (see shardwrap/base/at_exit.py)"
+            )
+
+    def all_gather(
+        self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit: str = ""
+    ):
+        """Concatenate every rank's ``in_shard`` into ``out_full``; returns a waitable."""
+        if self.size == 1:
+            out_full.copy_(in_shard)
+            return _DoneWork()
+        start = self._record("all_gather", purpose, out_full, unit)
+        if self._pairwise(out_full):
+            work = pairwise.all_gather(self.group, self.rank, self.size, out_full, in_shard)
+            return self._timed(work, start)
+        work = dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
+        return self._timed(work, start)
+
+    def reduce_scatter(
+        self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit: str = ""
+    ):
+        """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``.
+
+        ``in_full`` must stay unchanged until the wait.
+        """
+        if self.size == 1:
+            out_shard.copy_(in_full)
+            return _DoneWork()
+        start = self._record("reduce_scatter", purpose, in_full, unit)
+        if self._pairwise(in_full):
+            work = pairwise.reduce_scatter(self.group, self.rank, self.size, out_shard, in_full)
+            return self._timed(work, start)
+        work = dist.reduce_scatter_single(
+            out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
+        return self._timed(work, start)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, *, purpose: str, unit: str = "", op=dist.ReduceOp.SUM
+    ):
+        """In-place reduction of ``tensor`` over ranks; returns a waitable."""
+        if self.size == 1:
+            return _DoneWork()
+        start = self._record("all_reduce", purpose, tensor, unit)
+        staged = self._stage(tensor)
+        work = dist.all_reduce(staged, op=op, group=self.group, async_op=True)
+        return self._copied_back(self._timed(work, start), staged, tensor)
+
+    def broadcast(self, tensor: torch.Tensor, *, src_rank: int, purpose: str):
+        """Copy ``tensor`` from group rank ``src_rank`` to every rank; returns a waitable."""
+        if self.size == 1:
+            return _DoneWork()
+        start = self._record("broadcast", purpose, tensor)
+        staged = self._stage(tensor)
+        work = dist.broadcast(staged, group=self.group, group_src=src_rank, async_op=True)
+        return self._copied_back(self._timed(work, start), staged, tensor)
+
+    def all_gather_object(self, obj: object, *, purpose: str) -> list[object]:
+        """Every rank's ``obj`` (small Python values: flags, names, shapes)."""
+        if self.size == 1:
+            return [obj]
+        self._check_not_released()
+        gathered: list[object] = [None] * self.size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
+        return gathered
+
+    def _pairwise(self, tensor: torch.Tensor) -> bool:
+        """Whether to run an all-gather or reduce-scatter as pairwise exchanges.
+
+        See [Note: pairwise collectives on gloo].
+        """
+        return self._gloo and tensor.device.type == "cpu"
+
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or a copy on the accelerator when this group cannot reduce host memory."""
+        if self.host_capable or tensor.device.type != "cpu":
+            return tensor
+        device = self.staging_device or _current_accelerator()
+        return tensor.to(device, copy=True)
+
+    @staticmethod
+    def _copied_back(work, staged: torch.Tensor, tensor: torch.Tensor):
+        return work if staged is tensor else _CopyBackWork(work, staged, tensor)
+
+    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> float:
+        """Check (debug), record, and return the issue time for :meth:`_timed`."""
+        self._check_not_released()
+        if self.checker is not None:
+            self.checker.check(kind, purpose, unit, tensor, self.size)
+        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit))
+        return time.perf_counter()
+
+    def _timed(self, work, start: float):
+        if not self.ledger.time_collectives:
+            return work
+        return _TimedWork(work, self.ledger, self.ledger.records[-1], start)
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to issue different collectives (the run would have hung)."""
+
+
+class CollectiveChecker:
+    """Debug aid: before each collective, every rank confirms it is about to run the same one.
+
+    [Note: hangs become errors]
+    A rank that takes another branch issues a different collective (or one for another
+    unit) and the job hangs until the process-group timeout. With a checker, each rank
+    first shares a small signature (unit, kind, purpose, element count, dtype) over the
+    world group; any difference raises :class:`CollectiveMismatchError` on every rank,
+    naming the first rank that differs from rank 0 and the units involved. On gloo a
+    monitored barrier first names ranks that never reach the check at all. It costs one
+    small object all-gather per collective, so it is off unless asked for.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.num_checked = 0
+
+    def check(self, kind: str, purpose: str, unit: str, tensor: torch.Tensor, size: int) -> None:
+        mine = (unit, kind, purpose, tensor.numel(), str(tensor.dtype), size)
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        signatures: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(signatures, mine)
+        self.num_checked += 1
+        for rank, theirs in enumerate(signatures):
+            if theirs != signatures[0]:
+                raise CollectiveMismatchError(
+                    f"collective #{self.num_checked} diverged first at rank {rank}: rank 0 is "
+                    f"about to run {_describe(signatures[0])}, rank {rank} {_describe(theirs)} "
+                    f"(this rank, {dist.get_rank()}: {_describe(mine)}). A rank took another "
+                    "branch through the model; every rank must run the same units in order."
+                )
+
+
+def _describe(signature: object) -> str:
+    unit, kind, purpose, numel, dtype, _ = signature  # type: ignore[misc]
+    return f"{kind} of {purpose} for unit {unit or '<root>'!r} ({numel} x {dtype})"
+
+
+class _TimedWork:
+    """A waitable that notes, in the ledger, the time from issue to the end of its wait."""
+
+    def __init__(self, work, ledger: CommLedger, record: CommRecord, start: float) -> None:
+        self._work = work
+        self._ledger = ledger
+        self._record = record
+        self._start = start
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        self._ledger.note_elapsed(self._record, time.perf_counter() - self._start)
+        return done
+
+
+class _CopyBackWork:
+    """A waitable whose wait also copies a staged result back into the caller's tensor."""
+
+    def __init__(self, work, staged: torch.Tensor, tensor: torch.Tensor) -> None:
+        self._work = work
+        self._staged = staged
+        self._tensor = tensor
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        self._tensor.copy_(self._staged)
+        return done
+
+
+def backend_handles_cpu(backend: str) -> bool:
+    """Whether a backend (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``) moves host tensors."""
+    name = str(backend).lower()
+    if ":" in name:
+        return "cpu:" in name
+    return name not in ("nccl", "xccl", "hccl")
+
+
+def _current_accelerator() -> torch.device:
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise RuntimeError("collectives: the process group has no CPU backend and no accelerator")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_rank() -> int:
+    return dist.get_rank()
+
+
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def new_subgroups(rank_lists: list[list[int]]) -> list[dist.ProcessGroup]:
+    """Create one group per rank list (every rank must call this with the same lists)."""
+    return [dist.new_group(ranks) for ranks in rank_lists]
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """Global ranks of ``group``, in group-rank order."""
+    return dist.get_process_group_ranks(group)
+
+
+def default_group() -> dist.ProcessGroup:
+    return dist.group.WORLD

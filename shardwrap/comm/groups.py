@@ -1,0 +1,116 @@
+"""Process-group layout: which ranks shard together and which replicate.
+
+A strategy works over two groups: the *shard* group (ranks that split each unit's flat
+parameter) and the optional *replicate* group (ranks that hold the same shard and
+all-reduce its gradient). ``NO_SHARD`` is the degenerate case: shard groups of one rank,
+replication across the whole group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..options import ShardingStrategy
+from . import collectives
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The two groups a root's units communicate over (``None``: a group of just this rank)."""
+
+    shard_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None
+    world_group: dist.ProcessGroup
+
+
+def hybrid_process_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Tile the world into shard groups of ``shard_size`` consecutive ranks.
+
+    Returns ``(shard_group, replicate_group)`` for this rank. Every rank must call it.
+    """
+    if not collectives.is_initialized():
+        raise RuntimeError("hybrid_process_groups: call torch.distributed.init_process_group first")
+    world = collectives.world_size()
+    if not isinstance(shard_size, int) or shard_size < 1 or world % shard_size:
+        raise ValueError(
+            f"hybrid_process_groups: shard_size={shard_size!r} does not tile the world of "
+            f"{world} ranks (it must be a positive divisor of {world})"
+        )
+    num_replicas = world // shard_size
+    shard_lists = [list(range(i * shard_size, (i + 1) * shard_size)) for i in range(num_replicas)]
+    replicate_lists = [list(range(j, world, shard_size)) for j in range(shard_size)]
+    shard_groups = collectives.new_subgroups(shard_lists)
+    replicate_groups = collectives.new_subgroups(replicate_lists)
+    rank = collectives.world_rank()
+    return shard_groups[rank // shard_size], replicate_groups[rank % shard_size]
+
+
+def resolve_groups(
+    strategy: ShardingStrategy, process_group: object, device_mesh: object
+) -> GroupLayout:
+    """Validate ``process_group``/``device_mesh`` for ``strategy`` and pick the two groups."""
+    world_group = collectives.default_group()
+    if strategy.is_hybrid:
+        shard_group, replicate_group = _hybrid_groups(process_group, device_mesh)
+        _check_tiles(shard_group, replicate_group)
+        return GroupLayout(shard_group, replicate_group, world_group)
+    if device_mesh is not None:
+        if getattr(device_mesh, "ndim", 1) != 1:
+            raise ValueError(
+                f"device_mesh: {strategy.name} needs a 1-D mesh, got {device_mesh.ndim} dims"
+            )
+        group = device_mesh.get_group()
+    elif process_group is None:
+        group = world_group
+    elif isinstance(process_group, dist.ProcessGroup):
+        group = process_group
+    else:
+        raise TypeError(
+            f"process_group: {strategy.name} takes one ProcessGroup, got {type(process_group)}"
+        )
+    _check_member(group, "process_group")
+    if strategy is ShardingStrategy.NO_SHARD:
+        return GroupLayout(None, group, world_group)
+    return GroupLayout(group, None, world_group)
+
+
+def _hybrid_groups(process_group: object, device_mesh: object):
+    if device_mesh is not None:
+        if getattr(device_mesh, "ndim", None) != 2:
+            raise ValueError("device_mesh: hybrid sharding needs a 2-D mesh (replicate, shard)")
+        return device_mesh.get_group(1), device_mesh.get_group(0)
+    if (
+        isinstance(process_group, tuple)
+        and len(process_group) == 2
+        and all(isinstance(g, dist.ProcessGroup) for g in process_group)
+    ):
+        return process_group
+    raise ValueError(
+        "process_group: hybrid sharding needs process_group=(shard_group, replicate_group) "
+        "or a 2-D device_mesh; shardwrap.hybrid_process_groups(shard_size) builds both"
+    )
+
+
+def _check_member(group: dist.ProcessGroup, argument: str) -> None:
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{argument}: rank {collectives.world_rank()} is not a member")
+
+
+def _check_tiles(shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> None:
+    _check_member(shard_group, "process_group[0] (shard group)")
+    _check_member(replicate_group, "process_group[1] (replicate group)")
+    shard_size = dist.get_world_size(shard_group)
+    replicate_size = dist.get_world_size(replicate_group)
+    world = collectives.world_size()
+    shard_ranks = set(collectives.group_ranks(shard_group))
+    replicate_ranks = set(collectives.group_ranks(replicate_group))
+    if shard_size * replicate_size != world or shard_ranks & replicate_ranks != {
+        collectives.world_rank()
+    }:
+        raise ValueError(
+            f"process_group: shard group {sorted(shard_ranks)} x replicate group "
+            f"{sorted(replicate_ranks)} does not tile the world of {world} ranks "
+            f"(need shard_size * replicate_size == {world}, meeting only at this rank)"
+        )

@@ -1,0 +1,225 @@
+"""A unit's gradients: flattened, reduced across ranks, handed to the shard views.
+
+The gradient half of :class:`~shardwrap.flat_param.FlatParamHandle`: the handle builds
+one :class:`UnitGrads` from its layout, views and communicators and holds it as
+``handle.grads``. The tensor work itself is in :mod:`.grad_transfer`; where each gradient
+goes in the flat buffer, in :mod:`shardwrap.layout.grad_slots` ([Note: packed gradients]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.collectives import Communicator
+from ..layout.flat import FlatLayout
+from ..layout.grad_slots import GradSlots, chunk_split
+from .grad_buffers import ReusableGradBuffer, ScratchPool
+from .grad_transfer import assign_reduced, flatten_local_grads
+from .storage import HostStorage
+
+
+@dataclass
+class _Reduction:
+    """A gradient reduction in flight: its waitable, where it lands, and its live input."""
+
+    work: Any
+    output: torch.Tensor  # 1D: the reduced shard (or the whole flat gradient, one shard)
+    flat_grad: torch.Tensor  # 1D, padded: kept alive until the collective is done
+    replicate_done: bool  # the replica all-reduce already ran as the first stage
+
+
+class UnitGrads:
+    """Gradient reduction of one unit (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        layout: FlatLayout,
+        full_params: list[nn.Parameter],
+        shard_params: list[nn.Parameter],
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        compute_device: torch.device,
+        shard_comm: Communicator,
+        replicate_comm: Communicator | None,
+        host_staging: HostStorage | None,
+        comm_label: str,
+    ) -> None:
+        self.layout = layout  # the handle's; replaced by rename()
+        self.full_params = full_params  # the handle's full views (local gradients land here)
+        self.shard_params = shard_params  # the handle's shard views (reduced gradients go here)
+        self.dtype = dtype  # the shard's (master) dtype: reduced gradients end in it
+        self.compute_dtype = compute_dtype  # local gradients'
+        self.reduce_dtype = reduce_dtype  # the collectives'
+        self.compute_device = compute_device
+        self.shard_comm = shard_comm
+        self.replicate_comm = replicate_comm
+        self.host_staging = host_staging  # CPUOffload: reduced gradients go to the host
+        self.comm_label = comm_label  # the unit's name in the collectives' records
+        # Where local gradients go before the reduction: [Note: packed gradients]
+        self.grad_slots = GradSlots.for_layout(self.layout)
+        # Each parameter's [start, end) in this rank's reduced chunk.
+        self._reduced_pieces = [
+            self.grad_slots.piece_in_chunk(index, self.shard_comm.rank)
+            for index in range(len(self.layout.params))
+        ]
+        # How one split_with_sizes cuts the chunk into those pieces.
+        self._chunk_split = chunk_split(self._reduced_pieces, self.grad_slots.chunk_numel)
+        # Reduced gradient of this backward, waiting for the presence vote (1D, a chunk).
+        self.pending_grad_shard: torch.Tensor | None = None
+        self.local_grad_present = [False] * len(self.layout.params)
+        self._reductions: list[_Reduction] = []  # gradient reductions issued, not yet waited
+        self._grad_buffer = ReusableGradBuffer()  # plain data parallel only
+
+    def rename(self, layout: FlatLayout, comm_label: str) -> None:
+        """Follow the handle's :meth:`~shardwrap.flat_param.FlatParamHandle.rename`."""
+        self.layout = layout
+        self.comm_label = comm_label
+
+    @property
+    def num_shards(self) -> int:
+        return self.layout.num_shards
+
+    @property
+    def reduces_in_place(self) -> bool:
+        """Whether the gradient reduction is one all-reduce in place (plain data parallel)."""
+        return self.num_shards == 1 and self.replicate_comm is not None
+
+    @property
+    def data_parallel_size(self) -> int:
+        replicas = self.replicate_comm.size if self.replicate_comm is not None else 1
+        return self.num_shards * replicas
+
+    def start_reduce_grads(self, scratch: ScratchPool | None = None) -> None:
+        """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it.
+
+        Parameters without a local gradient contribute zeros; whether they get a gradient
+        at all is decided by the presence vote (:meth:`assign_grads`).
+
+        ``scratch``: where a sharded unit's flat gradient (the reduce-scatter's input) comes
+        from; a new buffer when None.
+        """
+        if self.reduces_in_place:  # the all-reduce is the first (and only) stage
+            flat_grad = self.take_local_grads(self._dp_grad_buffer())
+            work = self.replicate_comm.all_reduce(flat_grad, purpose="grads", unit=self.comm_label)
+            self._reductions.append(_Reduction(work, flat_grad, flat_grad, replicate_done=True))
+            return
+        out = None
+        if scratch is not None:
+            out = scratch.take(self.flat_grad_numel, self.reduce_dtype, self.compute_device)
+        flat_grad = self.take_local_grads(out)
+        reduced = torch.empty(
+            self.grad_slots.chunk_numel, dtype=self.reduce_dtype, device=flat_grad.device
+        )
+        work = self.shard_comm.reduce_scatter(
+            reduced, flat_grad, purpose="grads", unit=self.comm_label
+        )
+        self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
+
+    def _dp_grad_buffer(self) -> torch.Tensor:
+        """The plain data-parallel flat gradient, see [Note: reusing the data-parallel
+        gradient buffer]. A reduction in flight or pending holds the view it was given,
+        so its buffer is not handed out again until the gradients are gone.
+        """
+        return self._grad_buffer.take(self.flat_grad_numel, self.reduce_dtype, self.compute_device)
+
+    def finish_reduce_grads(self) -> None:
+        """Wait for the reductions in flight and add them to ``pending_grad_shard``."""
+        for reduction in self._reductions:
+            reduction.work.wait()
+            self.accept_reduced(reduction.output, replicate_done=reduction.replicate_done)
+        self._reductions.clear()
+
+    def take_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The local gradients as one flat, padded ``reduce_dtype`` tensor (full views cleared).
+
+        ``out`` (1D, :attr:`flat_grad_numel` elements of ``reduce_dtype``): write them there.
+        """
+        if out is None:
+            return self._flatten_local_grads().to(self.reduce_dtype)
+        if out.dtype == self.compute_dtype:
+            return self._flatten_local_grads(out)
+        return out.copy_(self._flatten_local_grads())
+
+    @property
+    def flat_grad_numel(self) -> int:
+        """Elements of the flat gradient :meth:`take_local_grads` returns (padded)."""
+        return self.grad_slots.numel
+
+    def accept_reduced(self, reduced: torch.Tensor, *, replicate_done: bool) -> None:
+        """Finish a reduction of this rank's chunk (1D, chunk_numel): replicas, scale, add."""
+        if self.replicate_comm is not None and not replicate_done:
+            self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
+        reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
+        if self.host_staging is not None:  # the optimizer steps on the host
+            reduced = self.host_staging.to_host(reduced)
+        if self.pending_grad_shard is None:
+            self.pending_grad_shard = reduced
+        else:
+            self.pending_grad_shard.add_(reduced)
+
+    def _flatten_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        flat_grad = out
+        if flat_grad is None:
+            flat_grad = torch.empty(
+                self.grad_slots.numel, dtype=self.compute_dtype, device=self.compute_device
+            )
+        flatten_local_grads(flat_grad, self.grad_slots, self.full_params, self.local_grad_present)
+        return flat_grad
+
+    def assign_grads(self, global_present: list[bool]) -> None:
+        """Move the pending reduced gradient onto the shard views that got one anywhere."""
+        pending = self.pending_grad_shard
+        self.pending_grad_shard = None
+        self.local_grad_present = [False] * len(self.full_params)
+        if pending is not None:
+            piece_of = self._piece_finder(pending)
+            assign_reduced(
+                self.shard_params,
+                piece_of,
+                pending,
+                global_present,
+                pending_is_kept=self._pending_is_kept,
+            )
+
+    def _piece_finder(self, reduced_chunk: torch.Tensor) -> Callable[[int], torch.Tensor]:
+        """``index -> _grad_piece(reduced_chunk, index)``, with the chunk cut up once."""
+        sizes, part_of = self._chunk_split
+        parts = reduced_chunk.split_with_sizes(sizes) if sizes else ()
+        params = self.layout.params
+        one_shard = self.num_shards == 1
+
+        def piece(index: int) -> torch.Tensor:
+            part = part_of[index]
+            if part is None:
+                return self._grad_piece(reduced_chunk, index)
+            return parts[part].view(params[index].shape) if one_shard else parts[part]
+
+        return piece
+
+    def _grad_piece(self, reduced_chunk: torch.Tensor, index: int) -> torch.Tensor:
+        # Parameter ``index``'s part of this rank's reduced chunk, shaped like its shard view.
+        start, end = self._reduced_pieces[index]
+        piece = reduced_chunk[start:end]
+        return piece.view(self.layout.params[index].shape) if self.num_shards == 1 else piece
+
+    @property
+    def _pending_is_kept(self) -> bool:
+        # The pending gradient is (part of) a data-parallel buffer kept between steps: an
+        # in-place all-reduce's output, neither cast to the master dtype nor staged to host.
+        uncast = self.reduce_dtype == self.dtype
+        return self.reduces_in_place and uncast and self.host_staging is None
+
+    def late_grad_names(self) -> list[str]:
+        """Parameters whose local gradient arrived after this unit was reduced."""
+        return [
+            info.fqn
+            for info, p in zip(self.layout.params, self.full_params, strict=True)
+            if p.grad is not None
+        ]

@@ -1,0 +1,95 @@
+"""One unit: a wrapped module, its flat parameter handle, and where it is in a step.
+
+The hooks that move a unit between states are in ``hooks.py``; a step's bookkeeping across
+units in ``runtime/step.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from torch import nn
+
+from ..flat_param import FlatParamHandle
+from ..options import ShardingStrategy
+
+
+class TrainingState(enum.Enum):
+    IDLE = "IDLE"  # no step in flight; shards only
+    FORWARD = "FORWARD"  # ran forward this step; its gradients may still come
+    BACKWARD = "BACKWARD"  # gathered again for backward; local gradients accumulating
+    BACKWARD_DONE = "BACKWARD_DONE"  # gradients reduced (or kept, under no_sync); resharded
+
+
+class Unit:
+    """One wrapped module and its flat parameter handle (``None`` when it owns none)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        module: nn.Module,
+        handle: FlatParamHandle | None,
+        strategy: ShardingStrategy,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.handle = handle
+        self.strategy = strategy
+        self.state = TrainingState.IDLE  # written only by the transitions below
+        # Forwards of this unit in progress: a registered method (``generate``) that calls
+        # ``forward`` nests them; only the outermost one reshards.
+        self.forward_depth = 0
+        # None: the strategy decides; True/False: set_reshard_after_forward overrides it.
+        self.reshard_after_forward_override: bool | None = None
+        # Whether backward may reach (and gather) the unit this step: False only after a
+        # forward with grad enabled none of whose outputs needs a gradient. Only such
+        # units are prefetched for backward.
+        self.expects_backward = False
+        self.hook_handles: list[Any] = []  # its module's forward hooks (see hooks.register)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, {self.state.name})"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Free the gathered parameters after forward (re-gather them for backward)."""
+        if self.reshard_after_forward_override is not None:
+            return self.reshard_after_forward_override and self.strategy.free_after_backward
+        return self.strategy.reshard_after_forward
+
+    # ------------------------------------------------------------ transitions
+    # Each moves the unit from the states listed to the next one, and raises (naming the
+    # unit and both states) from any other: the hooks and the runtime decide when a step
+    # moves a unit, these check that the move is one the state machine has.
+    def start_forward(self) -> None:
+        """First forward of a step (or a further backward through a retained graph)."""
+        self._move(TrainingState.FORWARD, TrainingState.IDLE)
+
+    def start_backward(self) -> None:
+        """Backward reached the unit: it is gathered again and accumulates gradients."""
+        self._move(TrainingState.BACKWARD, TrainingState.FORWARD, TrainingState.BACKWARD_DONE)
+
+    def finish_backward(self) -> None:
+        """Its gradients are reduced (or kept, under ``no_sync``) and it is resharded."""
+        self._move(TrainingState.BACKWARD_DONE, TrainingState.FORWARD, TrainingState.BACKWARD)
+
+    def end_step(self) -> None:
+        """The step is over (backward finished, or a forward was abandoned): from any state."""
+        self.state = TrainingState.IDLE
+
+    def _move(self, to: TrainingState, *allowed: TrainingState) -> None:
+        if self.state not in allowed:
+            names = ", ".join(s.name for s in allowed)
+            raise RuntimeError(
+                f"unit {self.name!r}: cannot move to {to.name} from {self.state.name} "
+                f"(only from {names})"
+            )
+        self.state = to
+
+    def remove(self) -> None:
+        """Remove this unit's forward hooks from its module."""
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles.clear()

@@ -1,0 +1,1 @@
+"""DeepSpeed front door: config, engine, schedules, loss scaler, optimizer, checkpoint."""

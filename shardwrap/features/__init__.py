@@ -1,0 +1,3 @@
+"""Operations on a wrapped model: gradient clipping, summoning, forward methods, batch weight, grad
+scaler.
+"""

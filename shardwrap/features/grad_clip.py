@@ -1,0 +1,106 @@
+"""Gradient-norm clipping over sharded gradients.
+
+[Note: which ranks a norm is summed over]
+After reduction every rank holds, for each unit, its shard of the *averaged* gradient
+(NO_SHARD: the whole averaged gradient). Ranks of one shard group hold disjoint pieces, so
+their partial sums add up to the full norm; replica groups (NO_SHARD, hybrid) hold copies
+of the same pieces, so summing across them would count each piece several times. The
+partial norms are therefore combined over each unit's shard group only. Parameters the
+wrapper does not manage (ignored modules) are replicated and added locally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ..runtime.step import StepRuntime
+
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing; so do we, so that
+# both clip by exactly the same factor.
+_CLIP_EPS = 1e-6
+
+
+def _check_norm_type(norm_type: float) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(f"norm_type: expected a number or math.inf, got {norm_type!r}")
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(f"norm_type: must be positive or math.inf, got {norm_type}")
+    return norm_type
+
+
+def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """max |g| for inf, else sum |g|^p, in float32 (or wider), over ``grads``."""
+    total = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        values = grad.detach().to(torch.float64).abs()
+        if norm_type == math.inf:
+            total = torch.maximum(total, values.max() if values.numel() else total)
+        else:
+            total = total + values.pow(norm_type).sum()
+    return total
+
+
+def sharded_grad_norm(
+    runtime: StepRuntime, parameters: Iterable[torch.Tensor], norm_type: float
+) -> tuple[torch.Tensor, list]:
+    """Total ``norm_type`` norm of the full gradients, and the local gradient tensors.
+
+    ``runtime``: the root's; ``parameters``: all of the root's (those of ignored modules
+    included).
+    """
+    runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    by_comm: dict[int, tuple] = {}
+    managed: set[int] = set()
+    all_grads: list[torch.Tensor] = []
+    for unit in runtime.units:
+        if unit.handle is None:
+            continue
+        comm = unit.handle.shard_comm
+        grads = [p.grad for p in unit.handle.shard_params if p.grad is not None]
+        managed.update(id(p) for p in unit.handle.shard_params)
+        all_grads.extend(grads)
+        entry = by_comm.setdefault(id(comm), (comm, []))
+        entry[1].extend(grads)
+    total = torch.zeros((), dtype=torch.float64)
+    for comm, grads in by_comm.values():
+        partial = _partial(grads, norm_type)
+        comm.all_reduce(partial, purpose="grad_norm", op=op).wait()
+        total = torch.maximum(total, partial) if norm_type == math.inf else total + partial
+    unmanaged = [p.grad for p in parameters if id(p) not in managed and p.grad is not None]
+    all_grads.extend(unmanaged)
+    local = _partial(unmanaged, norm_type)
+    total = torch.maximum(total, local) if norm_type == math.inf else total + local
+    if norm_type != math.inf:
+        total = total.pow(1.0 / norm_type)
+    return total, all_grads
+
+
+def clip_grad_norm_(
+    runtime: StepRuntime,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Scale gradients so their total norm is at most ``max_norm``; return the norm before.
+
+    Equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (every rank gets the
+    same value and the same factor). Call it after backward and before ``optimizer.step()``.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(f"max_norm: expected a number, got {max_norm!r}")
+    norm_type = _check_norm_type(norm_type)
+    total, grads = sharded_grad_norm(runtime, parameters, norm_type)
+    dtype = grads[0].dtype if grads else torch.float32
+    clip_coef = (float(max_norm) / (total + _CLIP_EPS)).clamp(max=1.0)
+    for grad in grads:
+        # CPUOffload: shard gradients are host tensors, others may be on the device.
+        grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
+    return total.to(dtype)

@@ -1,0 +1,168 @@
+"""Full-parameter access outside forward: ``summon_full_params``.
+
+[Note: what summoning does to a handle]
+Inside the context each selected unit shows full parameters gathered into a temporary
+buffer in the *master* dtype (so mixed precision shows fp32 values, not the low-precision
+compute copy); the handle's own gathered buffer and its gradients are left alone. On exit,
+with ``writeback``, this rank's slice of the (possibly edited) buffer is copied into its
+shard; the copy bumps the shard's version counter, so the next forward gathers again.
+With a single shard the shown parameters are the shard itself (edited in place), or a
+copy when ``writeback=False``. Every rank must enter the context (it all-gathers), and
+edits must be the same on every rank, as with torch's FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..comm import collectives
+from ..core.unit import TrainingState, Unit
+from ..flat_param import FlatParamHandle, ShardedState
+from ..runtime import registry
+
+
+def units_of(module: nn.Module, recurse: bool) -> list[Unit]:
+    """The units ``module`` owns: its own (``recurse=False``) or all in its subtree."""
+    wrapped = registry.wrapped_module(module)
+    top = wrapped if wrapped is not None else module
+    if not recurse:
+        unit = registry.unit_of(top)
+        if unit is None:
+            raise ValueError(
+                f"module: {type(module).__name__} is not a ShardedModule or a wrapped unit"
+            )
+        return [unit]
+    found: dict[int, Unit] = {}
+    for sub in module.modules():
+        unit = registry.unit_of(sub)
+        if unit is not None:
+            found.setdefault(id(unit), unit)
+    if not found:
+        raise ValueError(f"module: {type(module).__name__} contains no ShardedModule units")
+    return list(found.values())
+
+
+def _check_flags(
+    recurse: bool, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+) -> None:
+    for name, value in (
+        ("recurse", recurse),
+        ("writeback", writeback),
+        ("rank0_only", rank0_only),
+        ("offload_to_cpu", offload_to_cpu),
+        ("with_grads", with_grads),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {value!r}")
+    if writeback and rank0_only:
+        raise ValueError("writeback=True with rank0_only=True: other ranks have nothing to write")
+    if with_grads and offload_to_cpu:
+        raise ValueError("with_grads=True with offload_to_cpu=True is not supported")
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """Show full parameters on ``module``'s units inside the context; see the Note above."""
+    _check_flags(recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+    units = [u for u in units_of(module, recurse) if u.handle is not None]
+    for unit in units:
+        if unit.state is TrainingState.BACKWARD:
+            raise RuntimeError(f"summon_full_params: unit {unit.name!r} is in backward")
+    if with_grads:
+        runtimes = [registry.runtime_of(u) for u in units]
+        for runtime in {id(r): r for r in runtimes if r is not None}.values():
+            runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
+    # A nested summon leaves the handles an outer one shows to it.
+    mine = [u.handle for u in units if not registry.is_summoned(u.handle)]
+    showing = not rank0_only or collectives.world_rank() == 0
+    summons = [_Summon(h, writeback, showing, offload_to_cpu, with_grads) for h in mine]
+    for s in summons:
+        registry.add_summoned(s.handle)
+        s.enter()
+    try:
+        yield
+    finally:
+        for s in summons:
+            s.exit()
+            registry.discard_summoned(s.handle)
+
+
+class _Summon:
+    """One handle's summon: a full-precision full copy shown on the module, then undone."""
+
+    def __init__(
+        self, handle: FlatParamHandle, writeback: bool, showing: bool, offload: bool, grads: bool
+    ) -> None:
+        self.handle = handle
+        self.writeback = writeback
+        self.showing = showing
+        self.offload = offload and handle.compute_device.type != "cpu"
+        self.with_grads = grads
+        self.flat_full: torch.Tensor | None = None  # 1D, padded, master dtype; while summoned
+
+    def enter(self) -> None:
+        handle = self.handle
+        if handle.num_shards == 1:
+            # The shard is the whole parameter: edit it in place, or a copy to be dropped.
+            flat = handle.flat_shard if self.writeback else handle.flat_shard.detach().clone()
+        else:
+            flat = torch.empty(
+                handle.layout.padded_numel, dtype=handle.dtype, device=handle.compute_device
+            )
+            source = handle.flat_shard.detach().to(handle.compute_device)  # CPUOffload: host
+            handle.shard_comm.all_gather(flat, source, purpose="summon").wait()
+        self.flat_full = flat.cpu() if self.offload else flat
+        shown = [
+            nn.Parameter(self.flat_full[i.offset : i.end].view(i.shape), i.requires_grad)
+            for i in handle.layout.params
+        ]
+        if self.with_grads:
+            _attach_full_grads(handle, shown)
+        if self.showing:
+            handle.show_params(shown)
+
+    def exit(self) -> None:
+        handle = self.handle
+        flat = self.flat_full
+        self.flat_full = None
+        if self.writeback and (handle.num_shards > 1 or self.offload):
+            start, end = handle.layout.shard_range(handle.shard_comm.rank)
+            with torch.no_grad():
+                # Bumps flat_shard's version: the next forward gathers the new values.
+                handle.flat_shard.copy_(flat[start:end] if handle.num_shards > 1 else flat)
+        unsharded = handle.state is ShardedState.UNSHARDED
+        handle.show_params(handle.full_params if unsharded else handle.shard_params)
+        if unsharded and self.writeback:
+            handle.unshard()  # the shown full views must reflect the edits
+
+
+def _attach_full_grads(handle: FlatParamHandle, shown: list[nn.Parameter]) -> None:
+    """Give ``shown`` copies of the full reduced gradients (edits are not written back)."""
+    if handle.num_shards == 1:
+        for param, shard in zip(shown, handle.shard_params, strict=True):
+            param.grad = None if shard.grad is None else shard.grad.detach().clone()
+        return
+    grad_shard = torch.zeros_like(handle.flat_shard)
+    pieces = handle.pieces
+    for piece, shard in zip(pieces, handle.shard_params, strict=True):
+        if shard.grad is not None:
+            grad_shard[piece.shard_start : piece.shard_end].copy_(shard.grad.reshape(-1))
+    grad_full = torch.empty(
+        handle.layout.padded_numel, dtype=handle.dtype, device=handle.compute_device
+    )
+    grad_shard = grad_shard.to(handle.compute_device)  # CPUOffload: gradients are on the host
+    handle.shard_comm.all_gather(grad_full, grad_shard, purpose="summon_grads").wait()
+    for info, param, shard in zip(handle.layout.params, shown, handle.shard_params, strict=True):
+        if shard.grad is not None:  # the same on every rank (the presence vote)
+            param.grad = grad_full[info.offset : info.end].view(info.shape)

@@ -1,0 +1,1 @@
+"""Shard storage off the device: host (CPU) staging, disk store, sub-group stepping."""

@@ -1,0 +1,229 @@
+"""Disk offload: a unit's master shard and its Adam state in memory-mapped files.
+
+[Note: scratch files that cannot outlive the run]
+Each rank makes a private directory under the offload path and, for every buffer, a file
+that is mapped (``torch.from_file(..., shared=True)``) and unlinked at once: the mapping
+keeps the data, the kernel writes dirty pages back to the file and may evict them, and
+no file is left behind even when the process is killed. The directory itself is removed
+when the store is collected or at interpreter exit (only an empty directory can survive
+a crash). The files are scratch: checkpoints, not these files, are the durable state.
+
+[Note: releasing resident pages]
+Mapped pages that were touched stay resident (file-backed) until the kernel needs the
+memory, so the mapping alone does not lower a rank's resident set. After every optimizer
+step the store tells the kernel it no longer needs them (``madvise(MADV_DONTNEED)``): for a
+shared file mapping this drops them from the process, while their up-to-date contents stay
+in the file's page cache and on disk, and the next access reads them back. Between steps
+the rank then holds none of the master shards and Adam state (12 bytes per sharded
+parameter element); they come back, one access at a time, while forward and the step use
+them. A step streamed in sub-groups releases each sub-group's pages as soon as it is
+stepped, so the step's peak holds about one sub-group of state (shardwrap/offload/disk_step.py).
+Linux only; elsewhere the release is skipped.
+
+[Note: optimizer state on disk]
+torch's Adam/AdamW create their state lazily (zeros and a step counter) on the first
+step a parameter has a gradient. A step pre-hook on the optimizer (registered the first
+time it steps our shards, so it runs after every global pre-hook) creates that state
+beforehand, for the same parameters, as views into one mapped buffer per unit and state
+name, laid out like the shard, so the optimizer computes exactly what it would in
+memory. A slot the store has not handed out before is still the file's zeros and is not
+written (writing would make every page resident). Other optimizers' state would stay in
+memory, so they are refused. With more than ``sub_group_size`` elements to step, the step
+is streamed in sub-groups (shardwrap/offload/disk_step.py, [Note: a streamed optimizer step]).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ..flat_param import FlatParamHandle, holds_shards_of
+from .disk_step import StreamedStep, release_resident
+
+_ADAM_STATES = ("exp_avg", "exp_avg_sq")
+_LIVE_DIRECTORIES: set[str] = set()
+
+
+def _remove_directory(directory: str) -> None:
+    _LIVE_DIRECTORIES.discard(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@atexit.register
+def _remove_all() -> None:
+    for directory in list(_LIVE_DIRECTORIES):
+        _remove_directory(directory)
+
+
+def check_offload_path(path: str) -> None:
+    """A clear error unless ``path`` is an existing directory this process can write to."""
+    if not os.path.exists(path):
+        raise ValueError(f"DiskOffload: path {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"DiskOffload: path {path!r} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(f"DiskOffload: cannot write to {path!r} ({error.strerror})") from None
+
+
+class DiskStore:
+    """One rank's mapped buffers for one ``ShardedModule``."""
+
+    def __init__(self, path: str, rank: int, sub_group_size: int = 1_000_000_000) -> None:
+        check_offload_path(path)
+        self.sub_group_size = sub_group_size  # most elements stepped between page releases
+        self.directory = tempfile.mkdtemp(prefix=f"shardwrap-rank{rank}-", dir=path)
+        _LIVE_DIRECTORIES.add(self.directory)
+        self._counter = itertools.count()
+        self.handles: list[FlatParamHandle] = []
+        self.num_bytes = 0  # bytes mapped so far
+        # One mapped buffer per (handle, Adam state name), laid out like the shard.
+        self._state_buffers: dict[tuple[int, str], torch.Tensor] = {}
+        # (handle, state name, parameter index) slots given to an optimizer's state once.
+        self._handed_out: set[tuple[int, str, int]] = set()
+        self._mapped: list[torch.Tensor] = []  # every mapped buffer, for release_pages
+        self._hook = None
+        self._release_hook = None
+        # The streamed step of each optimizer seen stepping our shards.
+        self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._finalizer = weakref.finalize(self, _remove_directory, self.directory)
+
+    def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled 1-D tensor backed by a mapped (already unlinked) file."""
+        if numel == 0:
+            return torch.zeros(0, dtype=dtype)
+        safe = "".join(c if c.isalnum() else "_" for c in name)[:60] or "root"
+        filename = os.path.join(self.directory, f"{next(self._counter)}-{safe}.bin")
+        tensor = torch.from_file(filename, shared=True, size=numel, dtype=dtype)
+        os.unlink(filename)
+        self.num_bytes += numel * tensor.element_size()
+        self._mapped.append(tensor)
+        return tensor
+
+    def release_pages(self) -> None:
+        """Drop the mapped buffers from this process's resident memory (data is kept).
+
+        See [Note: releasing resident pages].
+        """
+        for tensor in self._mapped:
+            release_resident(tensor)
+
+    def attach(self, handles: Iterable[FlatParamHandle | None]) -> None:
+        """Watch every optimizer step: state for these handles' shards goes on disk."""
+        self.handles = [h for h in handles if h is not None]
+        ref = weakref.ref(self)
+
+        def before_step(optimizer, args, kwargs):
+            store = ref()
+            if store is not None:
+                store.watch(optimizer)
+
+        def after_step(optimizer, args, kwargs):
+            store = ref()
+            if store is not None and holds_shards_of(optimizer, store.handles):
+                store.release_pages()
+
+        self._hook = register_optimizer_step_pre_hook(before_step)
+        self._release_hook = register_optimizer_step_post_hook(after_step)
+        self._finalizer = weakref.finalize(
+            self, _detach, (self._hook, self._release_hook), self.directory
+        )
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook ``optimizer`` (once) if it steps our shards: state on disk, streamed step.
+
+        Its own step hooks run after every global one (a ZeRO-1 reduction among them), so
+        the gradients are in place; see [Note: a streamed optimizer step].
+        """
+        if optimizer in self._streams or not holds_shards_of(optimizer, self.handles):
+            return
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            raise ValueError(
+                f"DiskOffload: keeps optimizer state on disk for Adam and AdamW only, got "
+                f"{type(optimizer).__name__}"
+            )
+        streamed = StreamedStep(optimizer, self.sub_group_size)
+        self._streams[optimizer] = streamed
+        ref = weakref.ref(self)
+
+        def before_step(optimizer, args, kwargs):
+            store = ref()
+            if store is not None:
+                store.place_state(optimizer)
+                owned = {id(p) for h in store.handles for p in h.shard_params}
+                streamed.before_step(optimizer, owned, args, kwargs)
+
+        optimizer.register_step_pre_hook(before_step)
+        optimizer.register_step_post_hook(lambda optimizer, args, kwargs: streamed.after_step())
+
+    def num_sub_groups(self, optimizer: torch.optim.Optimizer) -> int:
+        """How many sub-groups ``optimizer``'s last step of our shards ran in (0: none yet)."""
+        streamed = self._streams.get(optimizer)
+        return streamed.num_sub_groups if streamed is not None else 0
+
+    def place_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put Adam/AdamW state of our shards in mapped buffers (new, or loaded into memory)."""
+        mine = {id(p): (h, i) for h in self.handles for i, p in enumerate(h.shard_params)}
+        # As torch does: state for a parameter once it has a gradient (or loaded state).
+        ours = [
+            (g, p)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if id(p) in mine and (p.grad is not None or optimizer.state.get(p))
+        ]
+        for group, param in ours:
+            handle, index = mine[id(param)]
+            names = _ADAM_STATES + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+            state = optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+            for name in names:
+                current = state.get(name)
+                if current is not None and is_file_backed(current):
+                    continue
+                # A fresh state, or one optimizer.load_state_dict put back in memory.
+                placed = handle.shard_view(self._state_buffer(handle, name), index)
+                slot = (id(handle), name, index)
+                if current is not None or slot in self._handed_out:
+                    with torch.no_grad():
+                        placed.copy_(current if current is not None else torch.zeros(()))
+                    release_resident(placed)
+                # else: the slot is still the file's zeros (not touched, not resident)
+                self._handed_out.add(slot)
+                state[name] = placed
+
+    def _state_buffer(self, handle: FlatParamHandle, name: str) -> torch.Tensor:
+        key = (id(handle), name)
+        if key not in self._state_buffers:
+            numel = handle.layout.shard_numel
+            self._state_buffers[key] = self.allocate(
+                f"{handle.unit_name}.{name}", numel, handle.dtype
+            )
+        return self._state_buffers[key]
+
+
+def _detach(hooks, directory: str) -> None:
+    for hook in hooks:
+        hook.remove()
+    _remove_directory(directory)
+
+
+def is_file_backed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is a mapped file (for tests and reports)."""
+    return tensor.untyped_storage().filename is not None
+
+
+__all__ = ["DiskStore", "check_offload_path", "is_file_backed"]

@@ -1,0 +1,95 @@
+"""``python -m shardwrap estimate``: the memory planner's table, and the stage that fits."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..base.sizes import read_size
+from .estimate import OPTIMIZER_STATES, cheapest_fitting, estimate_memory, format_table
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30 (case-insensitive; plain = bytes)."""
+    value = read_size(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f"--budget: expected a size such as 80GB or 80GiB, got {text!r}"
+        )
+    return value
+
+
+def parse_count(text: str) -> int:
+    """``"7e9"`` or ``"7000000000"`` -> 7000000000."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 7e9, got {text!r}") from None
+    if value < 1 or not value.is_integer():
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(value)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``estimate`` subcommand on an ``add_subparsers()`` object."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="per-rank memory for ZeRO stages 0-3",
+        description="Per-rank memory by category for ZeRO stages 0-3 (formulas printed).",
+    )
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``estimate`` options."""
+    parser.add_argument("--params", type=parse_count, required=True, help="parameters, e.g. 7e9")
+    parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 mixed precision: fp32 master shards and optimizer state, bf16 compute",
+    )
+    parser.add_argument("--offload", choices=["cpu", "disk"], default=None)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    parser.add_argument(
+        "--largest-unit-params",
+        type=parse_count,
+        default=None,
+        help="parameters of the largest wrapped unit (ZeRO-3 peak); default: the whole model",
+    )
+    parser.add_argument("--budget", type=parse_bytes, default=None, help="device memory per rank")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table; with ``--budget``, the cheapest stage that fits. Returns an exit code."""
+    if args.world_size < 1:
+        raise SystemExit(f"--world-size: expected a positive number, got {args.world_size}")
+    estimates = estimate_memory(
+        args.params,
+        world_size=args.world_size,
+        compute_dtype=torch.bfloat16 if args.bf16 else None,
+        optimizer=args.optimizer,
+        offload=args.offload,
+        largest_unit_params=args.largest_unit_params,
+    )
+    print(format_table(estimates))
+    if args.budget is None:
+        return 0
+    best = cheapest_fitting(estimates, args.budget)
+    budget_gib = args.budget / 2**30
+    if best is None:
+        smallest = min(e.device_bytes for e in estimates) / 2**30
+        print(
+            f"\nno stage fits {budget_gib:,.3f} GiB per rank (smallest: {smallest:,.3f} GiB); "
+            "add ranks, offload, or shrink the largest unit"
+        )
+        return 1
+    print(
+        f"\ncheapest stage that fits {budget_gib:,.3f} GiB per rank: stage {best.stage} "
+        f"({best.strategy.name}, {best.device_bytes / 2**30:,.3f} GiB on the device; "
+        "activations not included)"
+    )
+    return 0
