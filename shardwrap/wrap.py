@@ -16,6 +16,7 @@ from .base.validate import check_bool
 from .build import casts as precision
 from .build.comms import RootComms, root_comms
 from .build.deferred_init import UnitMaterializer, has_meta
+from .build.fsdp_units import FSDPUnit, as_fsdp_unit
 from .build.nesting import absorb_nested, check_not_wrapped
 from .build.setup import (
     build_units,
@@ -70,7 +71,24 @@ __all__ = [
 ]
 
 
-class ShardedModule(nn.Module):
+class _FSDPMeta(type):
+    """``isinstance(unit_module, ShardedModule)`` holds for every unit's module too.
+
+    See [Note: units as FSDP instances] in ``build/fsdp_units.py``.
+    """
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return super().__instancecheck__(obj) or (
+            cls is ShardedModule and isinstance(obj, FSDPUnit)
+        )
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return super().__subclasscheck__(sub) or (
+            cls is ShardedModule and isinstance(sub, type) and issubclass(sub, FSDPUnit)
+        )
+
+
+class ShardedModule(nn.Module, metaclass=_FSDPMeta):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.
@@ -136,7 +154,7 @@ class ShardedModule(nn.Module):
             self.comm_ledger,
             self.param_persistence_threshold,
         )
-        absorbed = absorb_nested(module, ShardedModule)
+        absorbed = absorb_nested(module, ShardedModule, policy=policy)
         new_units, full_precision = self._build_units(
             module,
             comms,
@@ -154,6 +172,9 @@ class ShardedModule(nn.Module):
         )
         self._runtime = StepRuntime(self._units, comms.world, schedule)
         registry.add_root(self, module, self._runtime)
+        for unit in self._units:  # [Note: units as FSDP instances]
+            if unit.module is not module:
+                as_fsdp_unit(unit.module)
         for unit in new_units:
             hooks.register(unit, self._runtime)
         full_ids = {id(m) for m in full_precision}
@@ -307,7 +328,10 @@ class ShardedModule(nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[ShardedModule]:
-        """Every ``ShardedModule`` in ``module``'s tree (FSDP's name)."""
+        """Every FSDP instance in ``module``'s tree, roots and units, in module order
+        (FSDP's name); only the roots when ``root_only``."""
+        if root_only:
+            return [m for m in module.modules() if registry.wrapped_module(m) is not None]
         return [m for m in module.modules() if isinstance(m, ShardedModule)]
 
     def check_is_root(self) -> bool:
