@@ -6,6 +6,7 @@ from .comm.groups import hybrid_process_groups
 from .deepspeed.engine import ShardedEngine, initialize
 from .features.forward_methods import register_forward_method
 from .features.grad_scaler import ShardedGradScaler
+from .install import install, is_installed, uninstall
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -36,9 +37,12 @@ __all__ = [
     "estimate_memory",
     "hybrid_process_groups",
     "initialize",
+    "install",
+    "is_installed",
     "load_checkpoint",
     "load_pretrained",
     "register_forward_method",
     "save_checkpoint",
+    "uninstall",
 ]
 __version__ = "0.1.0"

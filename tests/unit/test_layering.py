@@ -34,6 +34,7 @@ LAYERS = {
     "wrap": 8,
     "profile": 9,
     "deepspeed": 9,
+    "install": 9,
     "__init__": 10,
     "__main__": 10,
 }
