@@ -6,6 +6,14 @@ from .comm.groups import hybrid_process_groups
 from .deepspeed.engine import ShardedEngine, initialize
 from .features.forward_methods import register_forward_method
 from .features.grad_scaler import ShardedGradScaler
+from .fsdp1_options import (
+    FullOptimStateDictConfig,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+)
 from .install import install, is_installed, uninstall
 from .options import (
     BackwardPrefetch,
@@ -24,6 +32,12 @@ __all__ = [
     "BackwardPrefetch",
     "CheckpointError",
     "FullStateDictConfig",
+    "FullOptimStateDictConfig",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "StateDictConfig",
+    "StateDictSettings",
     "ShardedStateDictConfig",
     "StateDictType",
     "CPUOffload",

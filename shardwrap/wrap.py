@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import hooks
+from .base.records import as_record
 from .base.validate import check_bool
 from .build import casts as precision
 from .build.comms import RootComms, root_comms
@@ -26,12 +27,13 @@ from .build.setup import (
     full_precision_units,
     resolve_ignored,
 )
+from .ckpt import fsdp1 as _fsdp1
 from .ckpt import state_dict as _state_dict
 from .comm import collectives
 from .comm.collectives import CollectiveChecker, CommLedger, Communicator
 from .comm.groups import resolve_groups
 from .core.unit import Unit
-from .features import batch_weight, forward_methods, grad_clip
+from .features import batch_weight, forward_methods, fsdp1_methods, grad_clip
 from .features import summon as full_params
 from .layout.partition import assign_params, collect_params
 from .layout.persistence import check_threshold
@@ -138,6 +140,7 @@ class ShardedModule(nn.Module, metaclass=_FSDPMeta):
         # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
         self.param_persistence_threshold = check_threshold(param_persistence_threshold)
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
+        cpu_offload = cpu_offload and as_record("cpu_offload", cpu_offload, CPUOffload, DiskOffload)
         check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
         self.disk_store = (  # DiskOffload: shards and Adam state in mapped files
@@ -382,28 +385,20 @@ class ShardedModule(nn.Module, metaclass=_FSDPMeta):
             missing = incompatible_keys.missing_keys
             missing[:] = [k for k in missing if not k.startswith(inner)]
 
-    # FSDP's static state-dict API (see shardwrap/ckpt/state_dict.py).
-    state_dict_type = staticmethod(_state_dict.state_dict_type)
-    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
-    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
-
-    @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *args, **kwargs):
-        """The optimizer's state keyed by parameter name (FSDP's ``optim_state_dict``)."""
-        _no_extra_optim_args("optim_state_dict", args, kwargs)
-        return _state_dict.optim_state_dict(model, optim)
-
-    @staticmethod
-    def optim_state_dict_to_load(
-        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, *args, **kwargs
-    ):
-        """A name-keyed optimizer state dict made loadable by ``optim.load_state_dict``."""
-        load_directly = kwargs.pop("load_directly", False)
-        kwargs.pop("is_named_optimizer", None)
-        _no_extra_optim_args("optim_state_dict_to_load", args, kwargs)
-        return _state_dict.optim_state_dict_to_load(
-            model, optim, optim_state_dict, load_directly=load_directly
-        )
+    # FSDP1's static state-dict and optimizer-state API (see shardwrap/ckpt/fsdp1.py).
+    state_dict_type = staticmethod(_fsdp1.state_dict_type)
+    set_state_dict_type = staticmethod(_fsdp1.set_state_dict_type)
+    get_state_dict_type = staticmethod(_fsdp1.get_state_dict_type)
+    optim_state_dict = staticmethod(_fsdp1.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(_fsdp1.optim_state_dict_to_load)
+    full_optim_state_dict = staticmethod(_fsdp1.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(_fsdp1.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(_fsdp1.shard_full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(_fsdp1.scatter_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(_fsdp1.flatten_sharded_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(_fsdp1.rekey_optim_state_dict)
+    apply = fsdp1_methods.apply
+    register_comm_hook = fsdp1_methods.register_comm_hook
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -415,14 +410,6 @@ class ShardedModule(nn.Module, metaclass=_FSDPMeta):
 
 
 FullyShardedDataParallel = ShardedModule
-
-
-def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:
-    if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
-        raise ValueError(
-            f"{method}: extra arguments {args or ''}{sorted(kwargs) or ''} are not supported "
-            "(process groups come from the model)"
-        )
 
 
 class _WrapContext(threading.local):

@@ -44,6 +44,7 @@ TOP_LEVEL_GROUPS = {
     "flat_param": "core",
     "hooks": "runtime",
     "checkpoint": "ckpt",
+    "fsdp1_options": "options",
 }
 
 
