@@ -17,7 +17,7 @@ from .base.validate import check_bool
 from .build import casts as precision
 from .build.comms import RootComms, root_comms
 from .build.deferred_init import UnitMaterializer, has_meta
-from .build.fsdp_units import FSDPUnit, as_fsdp_unit
+from .build.fsdp_units import FSDP1Attributes, FSDPUnit, as_fsdp_unit
 from .build.nesting import absorb_nested, check_not_wrapped
 from .build.setup import (
     build_units,
@@ -90,7 +90,7 @@ class _FSDPMeta(type):
         )
 
 
-class ShardedModule(nn.Module, metaclass=_FSDPMeta):
+class ShardedModule(FSDP1Attributes, nn.Module, metaclass=_FSDPMeta):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.
@@ -339,6 +339,10 @@ class ShardedModule(nn.Module, metaclass=_FSDPMeta):
 
     def check_is_root(self) -> bool:
         return True
+
+    @property
+    def _fsdp_unit(self) -> Unit:
+        return self._units[0]  # the root module's own unit
 
     # ---------------------------------------- names as in the unwrapped module
     def named_parameters(

@@ -31,7 +31,29 @@ from ..runtime import registry
 _SWAPPED: dict[type, type] = {}
 
 
-class FSDPUnit:
+class FSDP1Attributes:
+    """FSDP1 instance attributes frameworks read, of the unit ``_fsdp_unit`` names."""
+
+    @property
+    def _fsdp_unit(self) -> Unit:
+        raise NotImplementedError
+
+    @property
+    def _has_params(self) -> bool:
+        return self._fsdp_unit.handle is not None
+
+    @property
+    def _flat_param(self) -> FlatParamView | None:
+        handle = self._fsdp_unit.handle
+        return None if handle is None else FlatParamView(handle)
+
+    @property
+    def _handle(self) -> HandleView | None:
+        handle = self._fsdp_unit.handle
+        return None if handle is None else HandleView(handle)
+
+
+class FSDPUnit(FSDP1Attributes):
     """Mixed into a unit module's class: what an FSDP1 unit shows besides the module."""
 
     def check_is_root(self) -> bool:
@@ -48,20 +70,6 @@ class FSDPUnit:
         if unit is None:
             raise RuntimeError(f"{type(self).__name__}: no ShardedModule manages this module")
         return unit
-
-    @property
-    def _has_params(self) -> bool:
-        return self._fsdp_unit.handle is not None
-
-    @property
-    def _flat_param(self) -> FlatParamView | None:
-        handle = self._fsdp_unit.handle
-        return None if handle is None else FlatParamView(handle)
-
-    @property
-    def _handle(self) -> HandleView | None:
-        handle = self._fsdp_unit.handle
-        return None if handle is None else HandleView(handle)
 
 
 class FlatParamView:

@@ -106,11 +106,16 @@ def module_state_dict(model: nn.Module, *, destination=None, prefix: str = "") -
     result = {} if destination is None else destination
     if skip:
         return result
+    used: set[str] = set()
     for name, tensor in model.module.state_dict(keep_vars=True).items():
         slot = slots.by_param.get(id(tensor))
         value = values[slot.fqn] if slot is not None else tensor.detach()
-        if full and slot is None:
+        # Whole tensors are each key's own, tied names included, as FSDP1 gives them: savers
+        # such as safetensors refuse tensors that share memory.
+        if full and (slot is None or slot.fqn in used):
             value = value.clone()
+        if slot is not None:
+            used.add(slot.fqn)
         if settings.state_dict_config.offload_to_cpu:
             value = value.cpu()
         result[prefix + name] = value
