@@ -117,3 +117,73 @@ def train(
         accelerator.save_state(save_to)
     units = shardwrap.FullyShardedDataParallel.fsdp_modules(model) if fsdp else []
     return {"losses": losses, "wrapper": type(model).__name__, "num_fsdp": len(units)}
+
+
+class _TokenData(torch.utils.data.Dataset):
+    """64 fixed random sequences; the Trainer's seeded sampler orders them."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict:
+        g = torch.Generator().manual_seed(index)
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        return {"input_ids": ids, "labels": ids}
+
+
+def trainer_run(*, fsdp: bool, output_dir: str, resume: str | None = None) -> list[float]:
+    """``transformers.Trainer`` for ``2 * STEPS`` steps, a checkpoint every ``STEPS``;
+    FSDP1 (``fsdp="full_shard auto_wrap"``) when ``fsdp``, else its DDP. The logged
+    losses of the steps it ran."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class FSDPOnCPU(Trainer):
+        # By hand, what accelerate does on a GPU machine: the FSDP path with the plugin
+        # the Trainer built from its arguments.
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if self.args.fsdp_plugin_args is None:
+                return
+            PartialState().distributed_type = DistributedType.FSDP
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                **self.args.fsdp_plugin_args
+            )
+            self.is_fsdp_enabled = True
+
+    losses: list[float] = []
+
+    class RecordLoss(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    fsdp_args = {}
+    if fsdp:
+        fsdp_args = dict(
+            fsdp="full_shard auto_wrap",
+            # version 1: FSDP1 (transformers 5 defaults to FSDP2's fully_shard). Module
+            # states are identical on every rank already; syncing them needs an
+            # accelerator device in accelerate.
+            fsdp_config={
+                "version": 1,
+                "sync_module_states": False,
+                "transformer_layer_cls_to_wrap": ["GPT2Block"],
+            },
+        )
+    args = TrainingArguments(
+        output_dir=output_dir, use_cpu=True, max_steps=2 * STEPS, save_steps=STEPS,
+        per_device_train_batch_size=2, logging_steps=1, report_to=[], learning_rate=1e-3,
+        lr_scheduler_type="constant", seed=0, **fsdp_args,
+    )  # fmt: skip
+    trainer = FSDPOnCPU(
+        model=build_model("gpt2"), args=args, train_dataset=_TokenData(), callbacks=[RecordLoss()]
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    if fsdp:
+        assert isinstance(trainer.model_wrapped, shardwrap.FullyShardedDataParallel)
+    return losses

@@ -1,4 +1,4 @@
-"""accelerate's own FSDP1 code runs shardwrap after ``shardwrap.install()`` (2 ranks).
+"""accelerate's and the Trainer's own FSDP1 code run shardwrap after ``install()`` (2 ranks).
 
 A tiny GPT-2 and Llama are prepared by ``Accelerator`` with a
 ``FullyShardedDataParallelPlugin`` (FULL_SHARD, transformer auto-wrap,
@@ -10,11 +10,18 @@ A tiny GPT-2 and Llama are prepared by ``Accelerator`` with a
   on this path on CPU (it refuses accelerate's ``device_id=cpu``), so DDP is the reference;
 * bf16 (mixed precision through the plugin): the resumed run equals the uninterrupted one
   bit for bit, and training makes progress.
+
+``transformers.Trainer`` with ``fsdp="full_shard auto_wrap"`` (FSDP1) trains a GPT-2,
+writes its checkpoints and resumes from one in fresh processes: the resumed losses equal
+the uninterrupted run's bit for bit, and those equal the Trainer's DDP run within
+``assert_close``'s defaults (the Trainer clips gradients by default, and the total norm is
+summed over shards, in another order than over whole gradients).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.dist import hf_frameworks as hf
 from tests.dist.harness import run_ranks
@@ -77,3 +84,35 @@ def test_accelerate_fsdp_trains_saves_and_resumes(tmp_path) -> None:
         bf16 = first[kind, "bf16"]["losses"] + resumed[kind, "bf16"]["losses"]
         assert bf16 == first[kind, "bf16-straight"]["losses"], kind
         assert bf16[-1] < bf16[0]
+
+
+def _trainer_first(rank: int, world_size: int, folder: str) -> dict:
+    import shardwrap
+
+    hf.set_launcher_env(rank, world_size)
+    ddp = hf.trainer_run(fsdp=False, output_dir=f"{folder}/ddp")
+    shardwrap.install()
+    try:
+        return {"ddp": ddp, "fsdp": hf.trainer_run(fsdp=True, output_dir=f"{folder}/fsdp")}
+    finally:
+        shardwrap.uninstall()
+
+
+def _trainer_resumed(rank: int, world_size: int, folder: str) -> list[float]:
+    import shardwrap
+
+    hf.set_launcher_env(rank, world_size)
+    shardwrap.install()
+    try:
+        checkpoint = f"{folder}/fsdp/checkpoint-{hf.STEPS}"
+        return hf.trainer_run(fsdp=True, output_dir=f"{folder}/fsdp", resume=checkpoint)
+    finally:
+        shardwrap.uninstall()
+
+
+def test_trainer_fsdp_trains_checkpoints_and_resumes(tmp_path) -> None:
+    first = run_ranks(_trainer_first, 2, str(tmp_path))[0]
+    resumed = run_ranks(_trainer_resumed, 2, str(tmp_path))[0]
+    assert len(first["ddp"]) == 2 * hf.STEPS
+    torch.testing.assert_close(first["fsdp"], first["ddp"])
+    assert resumed == first["fsdp"][hf.STEPS :]
