@@ -152,8 +152,7 @@ def _handles(slots: ModelSlots) -> list[FlatParamHandle]:
 
 
 def load_module_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
-    """``model.load_state_dict`` under the model's current state-dict type."""
-    full = get_state_dict_type(model).state_dict_type is StateDictType.FULL_STATE_DICT
+    """``model.load_state_dict``: whole tensors or DTensors, under either state-dict type."""
     slots = model_slots(model)
     expected = list(model.module.state_dict(keep_vars=True))
     missing = [k for k in expected if k not in state_dict]
@@ -168,10 +167,10 @@ def load_module_state_dict(model: nn.Module, state_dict: dict, strict: bool = Tr
         names_of[canonical].append(alias)
     keys = {s.fqn: next((k for k in names_of[s.fqn] if k in state_dict), None) for s in slots.slots}
     items = [(s, keys[s.fqn], state_dict[keys[s.fqn]]) for s in slots.slots if keys[s.fqn]]
-    pieces = {} if full else dtensor_state.local_pieces(slots, items)
+    pieces = dtensor_state.local_pieces(slots, items)  # whole tensors or DTensors, any type
     with torch.no_grad():
-        for slot, key, value in items:
-            _load_param(slot, key, pieces.get((slot.fqn, key), value), full)
+        for slot, key, _ in items:
+            _load_param(slot, key, pieces[(slot.fqn, key)])
         for name, buffer in slots.buffers.items():
             if name in state_dict:
                 _check_shape(name, tuple(state_dict[name].shape), tuple(buffer.shape))
@@ -179,13 +178,9 @@ def load_module_state_dict(model: nn.Module, state_dict: dict, strict: bool = Tr
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _load_param(slot: ParamSlot, key: str, value: torch.Tensor, full: bool) -> None:
-    if full:
-        _check_shape(key, tuple(value.shape), slot.shape)
-        slot.local_flat().copy_(value.detach().reshape(-1)[slot.start : slot.end])
-    else:
-        _check_shape(key, tuple(value.shape), tuple(slot.local.shape))
-        slot.local.copy_(value)
+def _load_param(slot: ParamSlot, key: str, piece: torch.Tensor) -> None:
+    _check_shape(key, tuple(piece.shape), tuple(slot.local.shape))
+    slot.local.copy_(piece)
 
 
 def _check_shape(name: str, given: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -297,16 +292,15 @@ def optim_state_dict_to_load(
     *,
     load_directly: bool = False,
 ) -> dict[str, Any]:
-    """Turn a name-keyed optimizer state dict into ``optim.load_state_dict``'s argument."""
-    full = get_state_dict_type(model).state_dict_type is StateDictType.FULL_STATE_DICT
+    """Turn a name-keyed optimizer state dict (whole tensors or DTensors, under either
+    state-dict type) into ``optim.load_state_dict``'s argument."""
     slots = model_slots(model)
     saved_state = {slots.aliases.get(k, k): v for k, v in optim_state_dict["state"].items()}
     saved_groups = [
         {**g, "params": [slots.aliases.get(n, n) for n in g["params"]]}
         for g in optim_state_dict["param_groups"]
     ]
-    if not full:  # DTensors (or whole tensors) to this rank's pieces, [Note: DTensor state dicts]
-        saved_state = _localized(slots, saved_state)
+    saved_state = _localized(slots, saved_state)  # [Note: DTensor state dicts]
 
     def read(slot: ParamSlot, name: str) -> Any:
         value = saved_state[slot.fqn][name]
@@ -314,11 +308,8 @@ def optim_state_dict_to_load(
             return value
         if value.dim() == 0 and not (slot.local.dim() == 0 and name != "step"):
             return value.clone()
-        if not full:
-            _check_shape(f"{slot.fqn}/{name}", tuple(value.shape), tuple(slot.local.shape))
-            return value.clone()
-        _check_shape(f"{slot.fqn}/{name}", tuple(value.shape), slot.shape)
-        return value.reshape(-1)[slot.start : slot.end].clone().reshape(slot.local.shape)
+        _check_shape(f"{slot.fqn}/{name}", tuple(value.shape), tuple(slot.local.shape))
+        return value.clone()
 
     names = {k: list(v) for k, v in saved_state.items()}
     result = build_load_dict(optim, optimizer_slots(optim, slots), saved_groups, names, read)
