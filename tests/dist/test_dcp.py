@@ -183,3 +183,32 @@ def test_reshard_to_three_ranks_shard_grad_op(saved, which) -> None:
 @pytest.mark.parametrize("which", ["direct", "dsd"])
 def test_load_into_the_unwrapped_model(saved, which) -> None:
     assert run_ranks(unwrapped_worker, 1, saved, which) == [True]
+
+
+def hybrid_worker(rank, world_size, folder):
+    """HYBRID_SHARD (2 x 2): a 2-D mesh, Replicate() + Shard(0); save and load back."""
+    torch.manual_seed(1234)
+    sharded = ckpt_workers.wrap(models.TinyGPT(), world_size, "HYBRID_SHARD")
+    optim = parity.make_optimizer(sharded, "adamw")
+    _train(sharded, optim, rank % 2, world_size, 0)  # replicas see the same data
+    expected = _full_state(sharded, optim)
+    model_sd, optim_sd = sw_dcp.get_state_dict(sharded, optim)
+    weight = model_sd["blocks.0.qkv.weight"]
+    assert weight.device_mesh.ndim == 2 and weight.placements[0].is_replicate(), weight
+    _assert_same({"model": model_sd, "optim": optim_sd}, expected)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    torch.manual_seed(99)
+    other = ckpt_workers.wrap(models.TinyGPT(), world_size, "HYBRID_SHARD")
+    other_optim = parity.make_optimizer(other, "adamw")
+    model_sd, optim_sd = sw_dcp.get_state_dict(other, other_optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=folder)
+    sw_dcp.set_state_dict(
+        other, other_optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    _assert_same(_full_state(other, other_optim), expected)
+    return True
+
+
+def test_hybrid_shard_saves_each_chunk_once_and_loads_back(tmp_path) -> None:
+    assert run_ranks(hybrid_worker, 4, str(tmp_path)) == [True] * 4
