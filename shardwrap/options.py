@@ -164,9 +164,9 @@ class StateDictType(enum.Enum):
     """What ``ShardedModule.state_dict()`` returns (FSDP's names).
 
     ``FULL_STATE_DICT`` (the default): whole tensors under the unwrapped model's names.
-    ``SHARDED_STATE_DICT``: this rank's pieces (1-D slices of the flattened originals, or
-    whole tensors where a unit is not sharded) under the same names; they load back only
-    into the same world size and strategy. Use ``shardwrap.checkpoint`` to reshard.
+    ``SHARDED_STATE_DICT``: ``DTensor``s (dim-0 chunks over the shard group; whole tensors
+    where a unit is not sharded) under the same names, which ``torch.distributed.checkpoint``
+    reshards; see [Note: DTensor state dicts] in ``ckpt/dtensor_state.py``.
     """
 
     FULL_STATE_DICT = "FULL_STATE_DICT"
