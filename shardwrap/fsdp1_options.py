@@ -78,8 +78,10 @@ class OptimStateKeyType(enum.Enum):
 
 
 _LOCAL = (
-    "LOCAL_STATE_DICT (flat local parameters) is not supported by shardwrap; use "
-    "SHARDED_STATE_DICT for per-rank pieces or shardwrap.save_checkpoint"
+    "LOCAL_STATE_DICT is not supported: its per-rank flat pieces cannot be resharded and "
+    "torch.distributed.checkpoint would keep one rank's piece per key. Use "
+    "SHARDED_STATE_DICT (DTensors that DCP reshards), FULL_STATE_DICT or "
+    "shardwrap.save_checkpoint"
 )
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,17 +42,6 @@ SAVE_PURPOSE = "sharded_state_dict"
 LOAD_PURPOSE = "load_sharded_state_dict"
 
 _MESHES: weakref.WeakKeyDictionary[FlatParamHandle, DeviceMesh] = weakref.WeakKeyDictionary()
-
-
-def refuse_local_state_dict(state_dict_type: Any) -> None:
-    """``LOCAL_STATE_DICT`` would hand DCP same-key per-rank pieces: refuse it by name."""
-    name = getattr(state_dict_type, "name", state_dict_type)
-    if isinstance(name, str) and name.upper() == "LOCAL_STATE_DICT":
-        raise ValueError(
-            "state_dict_type: LOCAL_STATE_DICT is not supported: its per-rank flat pieces "
-            "cannot be resharded and torch.distributed.checkpoint would keep one rank's piece "
-            "per key. Use SHARDED_STATE_DICT (DTensors that DCP reshards) or FULL_STATE_DICT."
-        )
 
 
 # ------------------------------------------------------------------ meshes and chunks

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..flat_param import FlatParamHandle
+from ..fsdp1_options import parse_state_dict_type
 from ..options import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from . import dtensor_state
 from .optim_state import SHARDED, build_load_dict, hyperparameters, optimizer_slots
@@ -47,8 +48,7 @@ def set_state_dict_type(
     module: nn.Module, state_dict_type: Any, state_dict_config: Any = None
 ) -> StateDictSettings:
     """Set what ``module.state_dict()`` returns; returns the previous settings."""
-    dtensor_state.refuse_local_state_dict(state_dict_type)
-    kind = StateDictType.parse(state_dict_type)
+    kind = parse_state_dict_type(state_dict_type)  # refuses LOCAL_STATE_DICT
     expected = (
         FullStateDictConfig if kind is StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
     )
