@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict as torch_dsd
 from torch.distributed.tensor import DTensor
 
+import shardwrap
 from shardwrap import ShardedModule
 from shardwrap.ckpt import dcp as sw_dcp
 from shardwrap.options import StateDictType
@@ -129,12 +130,20 @@ def reshard_worker(rank, world_size, folder, strategy, which):
                 ShardedModule.optim_state_dict_to_load(sharded, optim, state["optim"])
             )
     else:
-        model_sd, optim_sd = sw_dcp.get_state_dict(sharded, optim)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=os.path.join(folder, which))
-        sw_dcp.set_state_dict(
-            sharded, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+        # "torch": torch's own functions after shardwrap.install(), on the "dsd" checkpoint.
+        api = sw_dcp
+        if which == "torch":
+            shardwrap.install()
+            api = torch_dsd
+        try:
+            model_sd, optim_sd = api.get_state_dict(sharded, optim)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=os.path.join(folder, "dsd"))
+            api.set_state_dict(
+                sharded, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+        finally:
+            shardwrap.uninstall()
     _assert_same(_full_state(sharded, optim), expected["before"])
     # Continued training equals continued training of the saved state without DCP.
     reference, ref_optim = _reference(expected["before"])
@@ -175,7 +184,7 @@ def saved(tmp_path_factory) -> str:
     return folder
 
 
-@pytest.mark.parametrize("which", ["direct", "dsd"])
+@pytest.mark.parametrize("which", ["direct", "dsd", "torch"])
 def test_reshard_to_three_ranks_shard_grad_op(saved, which) -> None:
     assert run_ranks(reshard_worker, 3, saved, "SHARD_GRAD_OP", which) == [True] * 3
 
