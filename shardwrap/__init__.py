@@ -6,6 +6,15 @@ from .comm.groups import hybrid_process_groups
 from .deepspeed.engine import ShardedEngine, initialize
 from .features.forward_methods import register_forward_method
 from .features.grad_scaler import ShardedGradScaler
+from .fsdp1_options import (
+    FullOptimStateDictConfig,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+)
+from .install import install, is_installed, uninstall
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -23,6 +32,12 @@ __all__ = [
     "BackwardPrefetch",
     "CheckpointError",
     "FullStateDictConfig",
+    "FullOptimStateDictConfig",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "StateDictConfig",
+    "StateDictSettings",
     "ShardedStateDictConfig",
     "StateDictType",
     "CPUOffload",
@@ -36,9 +51,12 @@ __all__ = [
     "estimate_memory",
     "hybrid_process_groups",
     "initialize",
+    "install",
+    "is_installed",
     "load_checkpoint",
     "load_pretrained",
     "register_forward_method",
     "save_checkpoint",
+    "uninstall",
 ]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -10,6 +11,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from .base.records import as_record
 from .base.validate import check_bools, check_int
 
 _E = TypeVar("_E", bound=enum.Enum)
@@ -100,6 +102,16 @@ class CPUOffload:
             raise TypeError(f"offload_params must be a bool, got {type(self.offload_params)}")
 
 
+# [Note: keep_low_precision_grads]
+# FSDP1 can leave gradients in param_dtype after backward. shardwrap always reduces them in
+# reduce_dtype and hands them to the optimizer in the master (parameter) dtype, which is
+# what an fp32 optimizer step casts to anyway: results are at least as precise, and the
+# gradient shards take master-dtype memory. True is accepted with this warning.
+KEEP_LOW_PRECISION_GRADS = (
+    "MixedPrecision(keep_low_precision_grads=True): shardwrap hands gradients to the "
+    "optimizer in the parameter (master) dtype; they are not kept in param_dtype"
+)
+
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -115,7 +127,7 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None  # gathered parameters, forward/backward compute
     reduce_dtype: torch.dtype | None = None  # gradient collectives (default: param_dtype)
     buffer_dtype: torch.dtype | None = None  # module buffers, cast once at wrap time
-    keep_low_precision_grads: bool = False  # not supported: raises ValueError when True
+    keep_low_precision_grads: bool = False  # accepted; grads stay in the master dtype
     cast_forward_inputs: bool = False  # every unit casts its floating inputs to param_dtype
     cast_root_forward_inputs: bool = True  # the root casts its floating inputs
     # These modules compute in full precision (own unit, inputs cast up, outputs back).
@@ -130,11 +142,8 @@ class MixedPrecision:
         for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.keep_low_precision_grads:
-            raise ValueError(
-                "keep_low_precision_grads: True is not supported by shardwrap; gradients "
-                "are always handed to the optimizer in the master (parameter) dtype"
-            )
+        if self.keep_low_precision_grads:  # accepted, see [Note: keep_low_precision_grads]
+            warnings.warn(KEEP_LOW_PRECISION_GRADS, UserWarning, stacklevel=3)
         classes = self.module_classes_to_ignore
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
             raise TypeError(
@@ -146,17 +155,8 @@ class MixedPrecision:
         """Accept ``None``, our ``MixedPrecision`` or torch's FSDP ``MixedPrecision``."""
         if value is None or isinstance(value, cls):
             return value
-        fields = ("param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_grads")
-        if type(value).__name__ == "MixedPrecision" and all(hasattr(value, f) for f in fields):
-            return cls(
-                param_dtype=value.param_dtype,
-                reduce_dtype=value.reduce_dtype,
-                buffer_dtype=value.buffer_dtype,
-                keep_low_precision_grads=value.keep_low_precision_grads,
-                cast_forward_inputs=value.cast_forward_inputs,
-                cast_root_forward_inputs=value.cast_root_forward_inputs,
-                module_classes_to_ignore=tuple(value._module_classes_to_ignore),
-            )
+        if type(value).__name__ == cls.__name__:  # torch's, field by field
+            return as_record("mixed_precision", value, cls)
         raise TypeError(f"mixed_precision: expected MixedPrecision or None, got {value!r}")
 
 
@@ -164,9 +164,9 @@ class StateDictType(enum.Enum):
     """What ``ShardedModule.state_dict()`` returns (FSDP's names).
 
     ``FULL_STATE_DICT`` (the default): whole tensors under the unwrapped model's names.
-    ``SHARDED_STATE_DICT``: this rank's pieces (1-D slices of the flattened originals, or
-    whole tensors where a unit is not sharded) under the same names; they load back only
-    into the same world size and strategy. Use ``shardwrap.checkpoint`` to reshard.
+    ``SHARDED_STATE_DICT``: ``DTensor``s (dim-0 chunks over the shard group; whole tensors
+    where a unit is not sharded) under the same names, which ``torch.distributed.checkpoint``
+    reshards; see [Note: DTensor state dicts] in ``ckpt/dtensor_state.py``.
     """
 
     FULL_STATE_DICT = "FULL_STATE_DICT"

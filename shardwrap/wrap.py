@@ -12,17 +12,20 @@ import torch
 from torch import nn
 
 from . import hooks
+from .base.records import as_record
 from .base.validate import check_bool
 from .build import casts as precision
 from .build.comms import root_comms
+from .build.fsdp_units import FSDP1Attributes, FSDPUnit, as_fsdp_unit
 from .build.nesting import absorb_nested, check_not_wrapped
 from .build.setup import check_bucket_bytes, check_unsupported, resolve_ignored, shard_root
+from .ckpt import fsdp1 as _fsdp1
 from .ckpt import state_dict as _state_dict
 from .comm import collectives
 from .comm.collectives import CollectiveChecker, CommLedger, Communicator
 from .comm.groups import resolve_groups
 from .core.unit import Unit
-from .features import batch_weight, forward_methods, grad_clip
+from .features import batch_weight, forward_methods, fsdp1_methods, grad_clip
 from .features import summon as full_params
 from .layout.persistence import check_threshold
 from .offload.disk import DiskStore
@@ -60,7 +63,24 @@ __all__ = [
 ]
 
 
-class ShardedModule(nn.Module):
+class _FSDPMeta(type):
+    """``isinstance(unit_module, ShardedModule)`` holds for every unit's module too.
+
+    See [Note: units as FSDP instances] in ``build/fsdp_units.py``.
+    """
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return super().__instancecheck__(obj) or (
+            cls is ShardedModule and isinstance(obj, FSDPUnit)
+        )
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return super().__subclasscheck__(sub) or (
+            cls is ShardedModule and isinstance(sub, type) and issubclass(sub, FSDPUnit)
+        )
+
+
+class ShardedModule(FSDP1Attributes, nn.Module, metaclass=_FSDPMeta):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.
@@ -107,6 +127,7 @@ class ShardedModule(nn.Module):
             mixed_precision,
         )
         sync_module_states = check_bool("sync_module_states", sync_module_states)
+        cpu_offload = cpu_offload and as_record("cpu_offload", cpu_offload, CPUOffload, DiskOffload)
         check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
         self.disk_store = _disk_store_for(cpu_offload)  # DiskOffload: shards, Adam state in files
@@ -119,7 +140,7 @@ class ShardedModule(nn.Module):
             self.comm_ledger,
             self.param_persistence_threshold,
         )
-        absorbed = absorb_nested(module, ShardedModule)
+        absorbed = absorb_nested(module, ShardedModule, policy=policy)
         new_units, full_precision = shard_root(
             module,
             comms,
@@ -171,6 +192,9 @@ class ShardedModule(nn.Module):
         )
         self._runtime = StepRuntime(self._units, world, schedule)
         registry.add_root(self, self.module, self._runtime)
+        for unit in self._units:  # [Note: units as FSDP instances]
+            if unit.module is not self.module:
+                as_fsdp_unit(unit.module)
         for unit in new_units:
             hooks.register(unit)
         full_ids = {id(m) for m in full_precision}
@@ -266,11 +290,18 @@ class ShardedModule(nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[ShardedModule]:
-        """Every ``ShardedModule`` in ``module``'s tree (FSDP's name)."""
+        """Every FSDP instance in ``module``'s tree, roots and units, in module order
+        (FSDP's name); only the roots when ``root_only``."""
+        if root_only:
+            return [m for m in module.modules() if registry.wrapped_module(m) is not None]
         return [m for m in module.modules() if isinstance(m, ShardedModule)]
 
     def check_is_root(self) -> bool:
         return True
+
+    @property
+    def _fsdp_unit(self) -> Unit:
+        return self._units[0]  # the root module's own unit
 
     # ---------------------------------------- names as in the unwrapped module
     def named_parameters(
@@ -317,28 +348,20 @@ class ShardedModule(nn.Module):
             missing = incompatible_keys.missing_keys
             missing[:] = [k for k in missing if not k.startswith(inner)]
 
-    # FSDP's static state-dict API (see shardwrap/ckpt/state_dict.py).
-    state_dict_type = staticmethod(_state_dict.state_dict_type)
-    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
-    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
-
-    @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *args, **kwargs):
-        """The optimizer's state keyed by parameter name (FSDP's ``optim_state_dict``)."""
-        _no_extra_optim_args("optim_state_dict", args, kwargs)
-        return _state_dict.optim_state_dict(model, optim)
-
-    @staticmethod
-    def optim_state_dict_to_load(
-        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, *args, **kwargs
-    ):
-        """A name-keyed optimizer state dict made loadable by ``optim.load_state_dict``."""
-        load_directly = kwargs.pop("load_directly", False)
-        kwargs.pop("is_named_optimizer", None)
-        _no_extra_optim_args("optim_state_dict_to_load", args, kwargs)
-        return _state_dict.optim_state_dict_to_load(
-            model, optim, optim_state_dict, load_directly=load_directly
-        )
+    # FSDP1's static state-dict and optimizer-state API (see shardwrap/ckpt/fsdp1.py).
+    state_dict_type = staticmethod(_fsdp1.state_dict_type)
+    set_state_dict_type = staticmethod(_fsdp1.set_state_dict_type)
+    get_state_dict_type = staticmethod(_fsdp1.get_state_dict_type)
+    optim_state_dict = staticmethod(_fsdp1.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(_fsdp1.optim_state_dict_to_load)
+    full_optim_state_dict = staticmethod(_fsdp1.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(_fsdp1.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(_fsdp1.shard_full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(_fsdp1.scatter_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(_fsdp1.flatten_sharded_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(_fsdp1.rekey_optim_state_dict)
+    apply = fsdp1_methods.apply
+    register_comm_hook = fsdp1_methods.register_comm_hook
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -364,14 +387,6 @@ def _disk_store_for(cpu_offload: object) -> DiskStore | None:
     if not isinstance(cpu_offload, DiskOffload):
         return None
     return DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
-
-
-def _no_extra_optim_args(method: str, args: tuple, kwargs: dict) -> None:
-    if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
-        raise ValueError(
-            f"{method}: extra arguments {args or ''}{sorted(kwargs) or ''} are not supported "
-            "(process groups come from the model)"
-        )
 
 
 class _WrapContext(threading.local):

@@ -18,12 +18,18 @@ from ..core.unit import Unit
 from ..runtime import registry
 
 
+def _is_root(module: nn.Module) -> bool:
+    # Not ``isinstance(module, wrapper)``: every unit's module answers that too
+    # ([Note: units as FSDP instances]).
+    return registry.wrapped_module(module) is not None
+
+
 def check_not_wrapped(module: object, wrapper: type) -> None:
     """Raise unless ``module`` is a module no ``ShardedModule`` manages yet (nested ones
     inside it are fine: they are adopted)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
-    if isinstance(module, wrapper):
+    if _is_root(module):
         raise ValueError("module: this module is already a ShardedModule (wrapped twice)")
     for name, sub in module.named_modules():
         if registry.is_managed(sub) and not _is_nested_root(module, sub, wrapper):
@@ -35,20 +41,27 @@ def check_not_wrapped(module: object, wrapper: type) -> None:
 
 def _is_nested_root(root: nn.Module, sub: nn.Module, wrapper: type) -> bool:
     """Whether ``sub`` belongs to a ``ShardedModule`` sitting inside ``root`` (absorbable)."""
-    return any(
-        isinstance(m, wrapper) and any(u.module is sub for u in m.units) for m in root.modules()
-    )
+    return any(_is_root(m) and any(u.module is sub for u in m.units) for m in root.modules())
 
 
-def absorb_nested(module: nn.Module, wrapper: type) -> list[Unit]:
+def absorb_nested(module: nn.Module, wrapper: type, *, policy: Any = None) -> list[Unit]:
     """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
 
-    The adopted units' names and parameter names become relative to ``module``.
+    The adopted units' names and parameter names become relative to ``module``. With an
+    auto-wrap ``policy`` nested wrappers are refused, as FSDP1 refuses them: the policy
+    would decide again what they already decided.
     """
     adopted: list[Unit] = []
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, wrapper):
+            if _is_root(child):
+                if policy is not None:
+                    path = f"{parent_name}.{child_name}" if parent_name else child_name
+                    raise ValueError(
+                        f"auto_wrap_policy: submodule {path!r} is already a "
+                        "FullyShardedDataParallel instance; wrap nested modules either by "
+                        "hand or with a policy, not both"
+                    )
                 nested: Any = child
                 path = f"{parent_name}.{child_name}" if parent_name else child_name
                 units = nested.units

@@ -24,7 +24,9 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..flat_param import FlatParamHandle
+from ..fsdp1_options import parse_state_dict_type
 from ..options import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from . import dtensor_state
 from .optim_state import SHARDED, build_load_dict, hyperparameters, optimizer_slots
 from .optim_state import state_kind as _state_kind
 from .slots import ModelSlots, ParamSlot, model_slots
@@ -46,7 +48,7 @@ def set_state_dict_type(
     module: nn.Module, state_dict_type: Any, state_dict_config: Any = None
 ) -> StateDictSettings:
     """Set what ``module.state_dict()`` returns; returns the previous settings."""
-    kind = StateDictType.parse(state_dict_type)
+    kind = parse_state_dict_type(state_dict_type)  # refuses LOCAL_STATE_DICT
     expected = (
         FullStateDictConfig if kind is StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
     )
@@ -102,15 +104,20 @@ def module_state_dict(model: nn.Module, *, destination=None, prefix: str = "") -
     if full:
         values = _full_params(slots, keep=not skip)
     else:
-        values = {s.fqn: s.local.detach() for s in slots.slots}
+        values = dtensor_state.sharded_params(slots)  # [Note: DTensor state dicts]
     result = {} if destination is None else destination
     if skip:
         return result
+    used: set[str] = set()
     for name, tensor in model.module.state_dict(keep_vars=True).items():
         slot = slots.by_param.get(id(tensor))
         value = values[slot.fqn] if slot is not None else tensor.detach()
-        if full and slot is None:
+        # Whole tensors are each key's own, tied names included, as FSDP1 gives them: savers
+        # such as safetensors refuse tensors that share memory.
+        if full and (slot is None or slot.fqn in used):
             value = value.clone()
+        if slot is not None:
+            used.add(slot.fqn)
         if settings.state_dict_config.offload_to_cpu:
             value = value.cpu()
         result[prefix + name] = value
@@ -150,8 +157,7 @@ def _handles(slots: ModelSlots) -> list[FlatParamHandle]:
 
 
 def load_module_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
-    """``model.load_state_dict`` under the model's current state-dict type."""
-    full = get_state_dict_type(model).state_dict_type is StateDictType.FULL_STATE_DICT
+    """``model.load_state_dict``: whole tensors or DTensors, under either state-dict type."""
     slots = model_slots(model)
     expected = list(model.module.state_dict(keep_vars=True))
     missing = [k for k in expected if k not in state_dict]
@@ -164,11 +170,12 @@ def load_module_state_dict(model: nn.Module, state_dict: dict, strict: bool = Tr
     names_of: dict[str, list[str]] = {s.fqn: [s.fqn] for s in slots.slots}
     for alias, canonical in slots.aliases.items():
         names_of[canonical].append(alias)
+    keys = {s.fqn: next((k for k in names_of[s.fqn] if k in state_dict), None) for s in slots.slots}
+    items = [(s, keys[s.fqn], state_dict[keys[s.fqn]]) for s in slots.slots if keys[s.fqn]]
+    pieces = dtensor_state.local_pieces(slots, items)  # whole tensors or DTensors, any type
     with torch.no_grad():
-        for slot in slots.slots:
-            key = next((k for k in names_of[slot.fqn] if k in state_dict), None)
-            if key is not None:
-                _load_param(slot, key, state_dict[key], full)
+        for slot, key, _ in items:
+            _load_param(slot, key, pieces[(slot.fqn, key)])
         for name, buffer in slots.buffers.items():
             if name in state_dict:
                 _check_shape(name, tuple(state_dict[name].shape), tuple(buffer.shape))
@@ -176,13 +183,9 @@ def load_module_state_dict(model: nn.Module, state_dict: dict, strict: bool = Tr
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _load_param(slot: ParamSlot, key: str, value: torch.Tensor, full: bool) -> None:
-    if full:
-        _check_shape(key, tuple(value.shape), slot.shape)
-        slot.local_flat().copy_(value.detach().reshape(-1)[slot.start : slot.end])
-    else:
-        _check_shape(key, tuple(value.shape), tuple(slot.local.shape))
-        slot.local.copy_(value)
+def _load_param(slot: ParamSlot, key: str, piece: torch.Tensor) -> None:
+    _check_shape(key, tuple(piece.shape), tuple(slot.local.shape))
+    slot.local.copy_(piece)
 
 
 def _check_shape(name: str, given: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -197,7 +200,11 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     slots = model_slots(model)
     groups = optimizer_slots(optim, slots)
-    sharded = _gather_sharded_state(slots, optim) if full else _local_sharded_state(optim, groups)
+    sharded = (
+        _gather_sharded_state(slots, optim)
+        if full
+        else dtensor_state.sharded_optim_state(slots, optim)
+    )
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
     for index, (group, group_slots) in enumerate(zip(optim.param_groups, groups, strict=True)):
@@ -218,14 +225,23 @@ def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _local_sharded_state(optim, groups: list[list[ParamSlot]]) -> dict[tuple[str, str], Any]:
-    return {
-        (slot.fqn, name): value.detach().clone()
-        for group in groups
-        for slot in group
-        for name, value in optim.state.get(slot.local, {}).items()
-        if isinstance(value, torch.Tensor) and _state_kind(slot, name, value) == SHARDED
-    }
+def _localized(slots: ModelSlots, saved_state: dict[str, dict[str, Any]]) -> dict[str, dict]:
+    """Saved state with every parameter-shaped tensor replaced by this rank's piece."""
+    by_name = slots.by_name()
+    items = [
+        (by_name[fqn], f"{fqn}/{name}", value)
+        for fqn, entry in saved_state.items()
+        if fqn in by_name
+        for name, value in entry.items()
+        if isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and tuple(value.shape) == by_name[fqn].shape
+    ]
+    pieces = dtensor_state.local_pieces(slots, items)
+    result = {fqn: dict(entry) for fqn, entry in saved_state.items()}
+    for slot, key, _ in items:
+        result[slot.fqn][key.rsplit("/", 1)[1]] = pieces[(slot.fqn, key)]
+    return result
 
 
 def _gather_sharded_state(slots: ModelSlots, optim) -> dict[tuple[str, str], torch.Tensor]:
@@ -281,14 +297,15 @@ def optim_state_dict_to_load(
     *,
     load_directly: bool = False,
 ) -> dict[str, Any]:
-    """Turn a name-keyed optimizer state dict into ``optim.load_state_dict``'s argument."""
-    full = get_state_dict_type(model).state_dict_type is StateDictType.FULL_STATE_DICT
+    """Turn a name-keyed optimizer state dict (whole tensors or DTensors, under either
+    state-dict type) into ``optim.load_state_dict``'s argument."""
     slots = model_slots(model)
     saved_state = {slots.aliases.get(k, k): v for k, v in optim_state_dict["state"].items()}
     saved_groups = [
         {**g, "params": [slots.aliases.get(n, n) for n in g["params"]]}
         for g in optim_state_dict["param_groups"]
     ]
+    saved_state = _localized(slots, saved_state)  # [Note: DTensor state dicts]
 
     def read(slot: ParamSlot, name: str) -> Any:
         value = saved_state[slot.fqn][name]
@@ -296,11 +313,8 @@ def optim_state_dict_to_load(
             return value
         if value.dim() == 0 and not (slot.local.dim() == 0 and name != "step"):
             return value.clone()
-        if not full:
-            _check_shape(f"{slot.fqn}/{name}", tuple(value.shape), tuple(slot.local.shape))
-            return value.clone()
-        _check_shape(f"{slot.fqn}/{name}", tuple(value.shape), slot.shape)
-        return value.reshape(-1)[slot.start : slot.end].clone().reshape(slot.local.shape)
+        _check_shape(f"{slot.fqn}/{name}", tuple(value.shape), tuple(slot.local.shape))
+        return value.clone()
 
     names = {k: list(v) for k, v in saved_state.items()}
     result = build_load_dict(optim, optimizer_slots(optim, slots), saved_groups, names, read)

@@ -12,6 +12,7 @@ wrapper does not manage (ignored modules) are replicated and added locally.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,13 @@ def clip_grad_norm_(
     norm_type = _check_norm_type(norm_type)
     total, grads = sharded_grad_norm(runtime, parameters, norm_type)
     dtype = grads[0].dtype if grads else torch.float32
+    if not grads:  # as torch's FSDP: warn, and return the (all-rank) norm in float32
+        rank = runtime.world_comm.rank
+        warnings.warn(
+            f"Called clip_grad_norm_() on rank {rank} with no gradients -- returning the "
+            f"total norm in the default dtype {dtype}",
+            stacklevel=3,
+        )
     clip_coef = (float(max_norm) / (total + _CLIP_EPS)).clamp(max=1.0)
     for grad in grads:
         # CPUOffload: shard gradients are host tensors, others may be on the device.

@@ -34,6 +34,7 @@ LAYERS = {
     "wrap": 8,
     "profile": 9,
     "deepspeed": 9,
+    "install": 9,
     "__init__": 10,
     "__main__": 10,
 }
@@ -43,6 +44,7 @@ TOP_LEVEL_GROUPS = {
     "flat_param": "core",
     "hooks": "runtime",
     "checkpoint": "ckpt",
+    "fsdp1_options": "options",
 }
 
 

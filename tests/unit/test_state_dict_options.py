@@ -30,6 +30,8 @@ def test_one_rank_state_dicts_equal_the_unwrapped_models(one_rank):
     torch.manual_seed(0)
     plain = models.TinyGPT()
     sharded = ShardedModule(copy.deepcopy(plain))
+    with pytest.raises(ValueError, match="LOCAL_STATE_DICT is not supported.*SHARDED_STATE_DICT"):
+        ShardedModule.set_state_dict_type(sharded, "LOCAL_STATE_DICT")
     with pytest.raises(TypeError, match="FULL_STATE_DICT takes FullStateDictConfig"):
         ShardedModule.set_state_dict_type(
             sharded, StateDictType.FULL_STATE_DICT, ShardedStateDictConfig()

@@ -18,8 +18,8 @@ from shardwrap.features.grad_clip import _check_norm_type
 def test_mixed_precision_options_are_validated():
     with pytest.raises(ValueError, match="param_dtype"):
         shardwrap.MixedPrecision(param_dtype=torch.int8)
-    with pytest.raises(ValueError, match="keep_low_precision_grads"):
-        shardwrap.MixedPrecision(keep_low_precision_grads=True)
+    with pytest.warns(UserWarning, match="keep_low_precision_grads"):  # accepted, documented
+        assert shardwrap.MixedPrecision(keep_low_precision_grads=True).keep_low_precision_grads
     with pytest.raises(TypeError, match="cast_forward_inputs"):
         shardwrap.MixedPrecision(cast_forward_inputs=1)
     with pytest.raises(TypeError, match="module_classes_to_ignore"):

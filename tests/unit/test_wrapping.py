@@ -102,7 +102,9 @@ def test_enable_wrap_nests_units_under_the_outer_root(one_rank):
         plain.body[0] = wrap(plain.body[0])
         model = wrap(plain)
     assert isinstance(model, shardwrap.ShardedModule)
-    assert not any(isinstance(m, shardwrap.ShardedModule) for m in model.module.modules())
+    # the wrapper is gone; the module it wrapped is an FSDP instance itself
+    nested = [m for m in model.module.modules() if isinstance(m, shardwrap.ShardedModule)]
+    assert nested == [plain.body[0]] and isinstance(plain.body[0], nn.Linear)
     assert sorted(unit_names(model)) == ["", "body.0"]
     x = torch.randn(3, 12)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)

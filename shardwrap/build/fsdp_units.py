@@ -1,0 +1,145 @@
+"""Units that are FSDP instances to whoever looks, without a wrapper module.
+
+[Note: units as FSDP instances]
+FSDP1 puts a wrapper module around every unit, so code written for it (accelerate, the
+Hugging Face Trainer, Lightning, torch's own tests) finds units with
+``isinstance(m, FullyShardedDataParallel)`` and ``FSDP.fsdp_modules(model)``. A wrapper
+would put ``_fsdp_wrapped_module.`` into parameter and state-dict names. Instead, as FSDP2
+does, each unit's module has its class swapped for a subclass of its own class and of
+:class:`FSDPUnit`, under the same name, and ``ShardedModule``'s metaclass counts an
+``FSDPUnit`` as an instance of ``ShardedModule``. Forward, parameters, hooks and state
+dicts stay the module's own. The root's own module is not swapped: the root
+``ShardedModule`` is the FSDP instance there, as FSDP1's root wrapper is.
+
+The ``_``-prefixed members below are FSDP1 instance attributes that popular frameworks
+read (accelerate's mixed-precision pass reads ``_has_params``, ``_flat_param`` and
+``_handle``). They are compatibility, not API: each answers what FSDP1's would, as far as
+that code needs, and refuses what shardwrap cannot honour with an error saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.unit import Unit
+from ..runtime import registry
+
+# Original class -> its swapped subclass, so every unit of one class shares one class.
+_SWAPPED: dict[type, type] = {}
+
+
+class FSDP1Attributes:
+    """FSDP1 instance attributes frameworks read, of the unit ``_fsdp_unit`` names."""
+
+    @property
+    def _fsdp_unit(self) -> Unit:
+        raise NotImplementedError
+
+    @property
+    def _has_params(self) -> bool:
+        return self._fsdp_unit.handle is not None
+
+    @property
+    def _flat_param(self) -> FlatParamView | None:
+        handle = self._fsdp_unit.handle
+        return None if handle is None else FlatParamView(handle)
+
+    @property
+    def _handle(self) -> HandleView | None:
+        handle = self._fsdp_unit.handle
+        return None if handle is None else HandleView(handle)
+
+
+class FSDPUnit(FSDP1Attributes):
+    """Mixed into a unit module's class: what an FSDP1 unit shows besides the module."""
+
+    def check_is_root(self) -> bool:
+        """A unit is never a root (the ``ShardedModule`` around the model is)."""
+        return False
+
+    @property
+    def _is_root(self) -> bool:
+        return False
+
+    @property
+    def _fsdp_unit(self) -> Unit:
+        unit = registry.unit_of(self)  # type: ignore[arg-type]
+        if unit is None:
+            raise RuntimeError(f"{type(self).__name__}: no ShardedModule manages this module")
+        return unit
+
+
+class FlatParamView:
+    """What FSDP1's ``FlatParameter`` tells frameworks about a unit's flat shard."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._handle.flat_shard.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._handle.flat_shard.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._handle.flat_shard.shape
+
+    def numel(self) -> int:
+        return self._handle.flat_shard.numel()
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(p.requires_grad for p in self._handle.shard_params)
+
+    @property
+    def _fqns(self) -> list[str]:
+        return [info.fqn for info in self._handle.layout.params]
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._handle.flat_shard.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        raise TypeError(
+            f"unit {self._handle.comm_label!r}: shardwrap cannot replace a unit's flat shard "
+            f"(here to {value.dtype}); build the model in the dtype its master weights should "
+            "have (float32 with mixed_precision) before wrapping"
+        )
+
+
+class HandleView:
+    """What FSDP1's ``FlatParamHandle`` tells frameworks about a unit."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    @property
+    def _orig_param_dtype(self) -> torch.dtype:
+        return self._handle.dtype
+
+    @_orig_param_dtype.setter
+    def _orig_param_dtype(self, value: torch.dtype) -> None:
+        if value != self._handle.dtype:
+            raise TypeError(
+                f"unit {self._handle.comm_label!r}: master weights are {self._handle.dtype}; "
+                f"shardwrap cannot change them to {value} after wrapping"
+            )
+
+
+def as_fsdp_unit(module: nn.Module) -> None:
+    """Swap ``module``'s class for its ``FSDPUnit`` subclass (once; same class name)."""
+    cls = type(module)
+    if issubclass(cls, FSDPUnit):
+        return
+    swapped = _SWAPPED.get(cls)
+    if swapped is None:
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        swapped = _SWAPPED[cls] = type(cls.__name__, (cls, FSDPUnit), namespace)
+    module.__class__ = swapped

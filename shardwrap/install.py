@@ -1,0 +1,85 @@
+"""``shardwrap.install()``: code that builds torch's FSDP1 builds shardwrap's instead.
+
+Frameworks build ``FullyShardedDataParallel`` themselves (accelerate's ``prepare``, the
+Hugging Face ``Trainer`` with ``fsdp=...``, Lightning's FSDP strategy); their users never
+write the call. ``install()`` rebinds torch's name for the class, in every torch module
+that holds it, to ``shardwrap.FullyShardedDataParallel``; code that looks the name up when
+it runs (accelerate imports it inside the functions that wrap, check and save) then builds
+and recognises ours. ``uninstall()`` restores torch's. Call ``install()`` before the
+framework code runs; a module that bound torch's class at its own import, before
+``install()``, keeps it.
+
+``torch.distributed.checkpoint.state_dict``'s ``get_state_dict``, ``set_state_dict``,
+``get_model_state_dict`` and ``get_optimizer_state_dict`` are rebound too, to functions
+that hand a shardwrap model to :mod:`shardwrap.ckpt.dcp` and anything else to torch's:
+torch's own would key the optimizer state of a shardwrap model by this rank's pieces, and
+DCP would then keep one rank's piece per key.
+
+Torch's option objects (``CPUOffload``, ``MixedPrecision``, ``ShardingStrategy``, the
+state-dict configs, the wrap policies) need no rebinding: shardwrap accepts them as they
+are.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .ckpt import dcp
+from .runtime import registry
+from .wrap import FullyShardedDataParallel
+
+_DSD = "torch.distributed.checkpoint.state_dict"
+# (torch module, name) -> what install() binds there.
+_REBOUND: dict[tuple[str, str], Any] = {
+    ("torch.distributed.fsdp", "FullyShardedDataParallel"): FullyShardedDataParallel,
+    (
+        "torch.distributed.fsdp.fully_sharded_data_parallel",
+        "FullyShardedDataParallel",
+    ): FullyShardedDataParallel,
+}
+# (torch module, name) -> torch's original, while installed.
+_ORIGINALS: dict[tuple[str, str], Any] = {}
+
+
+def _holds_shardwrap(model: Any) -> bool:
+    return any(registry.wrapped_module(m) is not None for m in model.modules())
+
+
+def _dispatch(name: str, ours: Any) -> Any:
+    def call(model, *args, **kwargs):
+        if _holds_shardwrap(model):
+            kwargs.pop("submodules", None)
+            return ours(model, *args, **kwargs)
+        return _ORIGINALS[(_DSD, name)](model, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"torch's ``{name}``, or shardwrap's for a shardwrap model (install())."
+    return call
+
+
+for _name in ("get_state_dict", "set_state_dict", "get_model_state_dict"):
+    _REBOUND[(_DSD, _name)] = _dispatch(_name, getattr(dcp, _name))
+_REBOUND[(_DSD, "get_optimizer_state_dict")] = _dispatch(
+    "get_optimizer_state_dict", dcp.get_optimizer_state_dict
+)
+
+
+def install() -> None:
+    """Make torch's FSDP1 class name build shardwrap's (idempotent); see the module doc."""
+    for (module_name, name), value in _REBOUND.items():
+        module = importlib.import_module(module_name)
+        _ORIGINALS.setdefault((module_name, name), getattr(module, name))
+        setattr(module, name, value)
+
+
+def uninstall() -> None:
+    """Give torch's modules their own names back (idempotent)."""
+    for (module_name, name), original in list(_ORIGINALS.items()):
+        setattr(importlib.import_module(module_name), name, original)
+        del _ORIGINALS[(module_name, name)]
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_ORIGINALS)

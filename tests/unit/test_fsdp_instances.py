@@ -1,0 +1,81 @@
+"""Every unit is an FSDP instance to whoever looks, as FSDP1's wrappers are (one rank).
+
+What torch's own FSDP tests check about wrapping structure: ``isinstance`` on each unit,
+``FSDP.fsdp_modules`` listing the root and every unit, hand-nested units staying FSDP
+instances after the root is wrapped, and a policy refused over already-wrapped modules;
+while names, forward and state-dict keys stay exactly the unwrapped model's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardwrap import FullyShardedDataParallel as FSDP
+from shardwrap.wrap import ModuleWrapPolicy
+from tests import models
+
+
+def test_auto_wrapped_units_are_fsdp_instances(one_rank):
+    reference = models.TinyGPT()
+    plain = models.TinyGPT()
+    plain.load_state_dict(reference.state_dict())
+    model = FSDP(plain, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
+    blocks = list(plain.blocks)
+    assert all(isinstance(b, FSDP) and isinstance(b, models.Block) for b in blocks)
+    assert all(issubclass(type(b), FSDP) for b in blocks)
+    assert not isinstance(plain.ln_f, FSDP) and not isinstance(plain, FSDP)
+    assert [type(b).__name__ for b in blocks] == ["Block", "Block"]  # same name, repr
+    assert FSDP.fsdp_modules(model) == [model, *blocks]
+    assert FSDP.fsdp_modules(model, root_only=True) == [model]
+    assert model.check_is_root() and not any(b.check_is_root() for b in blocks)
+    # nothing else changed: names, keys, forward
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert list(model.state_dict()) == list(reference.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(model(idx), reference(idx), rtol=0, atol=0)
+
+
+def test_hand_nested_unit_stays_an_fsdp_instance(one_rank):
+    reference = models.MLP()
+    plain = models.MLP()
+    plain.load_state_dict(reference.state_dict())
+    plain.body[2] = FSDP(plain.body[2])
+    model = FSDP(plain)
+    inner = plain.body[2]
+    assert isinstance(inner, nn.Linear) and isinstance(inner, FSDP)
+    assert FSDP.fsdp_modules(model) == [model, inner]
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="wrapped twice"):
+        FSDP(inner)
+
+
+def test_a_policy_over_already_wrapped_modules_is_refused(one_rank):
+    plain = models.MLP()
+    plain.body[0] = FSDP(plain.body[0])
+    with pytest.raises(ValueError, match=r"auto_wrap_policy: submodule 'body.0' is already"):
+        FSDP(plain, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+
+
+def test_fsdp1_attributes_frameworks_read(one_rank):
+    # accelerate's mixed-precision pass: _has_params, _flat_param (dtype, device,
+    # requires_grad, _fqns), _handle._orig_param_dtype
+    plain = models.TinyGPT()
+    model = FSDP(plain, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
+    for block in FSDP.fsdp_modules(model)[1:]:
+        assert block._has_params
+        flat = block._flat_param
+        assert flat.dtype == torch.float32 and flat.device.type == "cpu"
+        assert flat.requires_grad
+        assert flat._fqns[0].startswith("blocks.") and len(flat._fqns) == len(
+            list(block.parameters())
+        )
+        assert flat.numel() == sum(p.numel() for p in block.parameters())  # one rank
+        block._handle._orig_param_dtype = torch.float32  # what it already is: accepted
+        with pytest.raises(TypeError, match="cannot replace a unit's flat shard"):
+            flat.data = flat.data.to(torch.bfloat16)
+        with pytest.raises(TypeError, match="cannot change them to torch.bfloat16"):
+            block._handle._orig_param_dtype = torch.bfloat16
