@@ -16,19 +16,25 @@ from .base.records import as_record
 from .base.validate import check_bool
 from .build import casts as precision
 from .build.comms import root_comms
-from .build.fsdp_units import FSDP1Attributes, FSDPUnit, as_fsdp_unit
+from .build.fsdp_units import FSDP1Attributes, FSDPMeta, as_fsdp_unit
 from .build.nesting import absorb_nested, check_not_wrapped
-from .build.setup import check_bucket_bytes, check_unsupported, resolve_ignored, shard_root
+from .build.setup import (
+    check_bucket_bytes,
+    check_unsupported,
+    disk_store_for,
+    require_process_group,
+    resolve_ignored,
+    shard_root,
+)
 from .ckpt import fsdp1 as _fsdp1
+from .ckpt import fsdp1_rekey
 from .ckpt import state_dict as _state_dict
-from .comm import collectives
 from .comm.collectives import CollectiveChecker, CommLedger, Communicator
 from .comm.groups import resolve_groups
 from .core.unit import Unit
 from .features import batch_weight, forward_methods, fsdp1_methods, grad_clip
 from .features import summon as full_params
 from .layout.persistence import check_threshold
-from .offload.disk import DiskStore
 from .offload.host import host_staging_for
 from .options import (
     BackwardPrefetch,
@@ -63,24 +69,7 @@ __all__ = [
 ]
 
 
-class _FSDPMeta(type):
-    """``isinstance(unit_module, ShardedModule)`` holds for every unit's module too.
-
-    See [Note: units as FSDP instances] in ``build/fsdp_units.py``.
-    """
-
-    def __instancecheck__(cls, obj: object) -> bool:
-        return super().__instancecheck__(obj) or (
-            cls is ShardedModule and isinstance(obj, FSDPUnit)
-        )
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return super().__subclasscheck__(sub) or (
-            cls is ShardedModule and isinstance(sub, type) and issubclass(sub, FSDPUnit)
-        )
-
-
-class ShardedModule(FSDP1Attributes, nn.Module, metaclass=_FSDPMeta):
+class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.
@@ -91,6 +80,9 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=_FSDPMeta):
     fewer elements are kept whole and replicated on every rank, never all-gathered, their
     gradients all-reduced; see [Note: parameter persistence] in ``layout/persistence.py``.
     """
+
+    # isinstance(unit_module, ShardedModule) holds too: [Note: units as FSDP instances].
+    _answers_for_units = True
 
     def __init__(
         self,
@@ -116,7 +108,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=_FSDPMeta):
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
         check_not_wrapped(module, ShardedModule)
-        _require_process_group()
+        require_process_group()
         self._set_options(
             sharding_strategy,
             backward_prefetch,
@@ -130,7 +122,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=_FSDPMeta):
         cpu_offload = cpu_offload and as_record("cpu_offload", cpu_offload, CPUOffload, DiskOffload)
         check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
-        self.disk_store = _disk_store_for(cpu_offload)  # DiskOffload: shards, Adam state in files
+        self.disk_store = disk_store_for(cpu_offload)  # DiskOffload: shards, Adam state in files
         policy = as_policy(auto_wrap_policy)
         ignored = resolve_ignored(ignored_modules, ignored_states, module)
         self.comm_ledger = CommLedger()
@@ -359,7 +351,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=_FSDPMeta):
     shard_full_optim_state_dict = staticmethod(_fsdp1.shard_full_optim_state_dict)
     scatter_full_optim_state_dict = staticmethod(_fsdp1.scatter_full_optim_state_dict)
     flatten_sharded_optim_state_dict = staticmethod(_fsdp1.flatten_sharded_optim_state_dict)
-    rekey_optim_state_dict = staticmethod(_fsdp1.rekey_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(fsdp1_rekey.rekey_optim_state_dict)
     apply = fsdp1_methods.apply
     register_comm_hook = fsdp1_methods.register_comm_hook
 
@@ -373,20 +365,6 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=_FSDPMeta):
 
 
 FullyShardedDataParallel = ShardedModule
-
-
-def _require_process_group() -> None:
-    if not collectives.is_initialized():
-        raise RuntimeError(
-            "ShardedModule: no process group is initialised; call "
-            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
-        )
-
-
-def _disk_store_for(cpu_offload: object) -> DiskStore | None:
-    if not isinstance(cpu_offload, DiskOffload):
-        return None
-    return DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
 
 
 class _WrapContext(threading.local):

@@ -31,6 +31,25 @@ from ..runtime import registry
 _SWAPPED: dict[type, type] = {}
 
 
+class FSDPMeta(type):
+    """Metaclass of the root class: its ``isinstance``/``issubclass`` accept every unit
+    module too. Only the class that sets ``_answers_for_units`` in its own body does this
+    (``ShardedModule``; not a user's subclass of it).
+    """
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return super().__instancecheck__(obj) or (
+            cls.__dict__.get("_answers_for_units", False) and isinstance(obj, FSDPUnit)
+        )
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return super().__subclasscheck__(sub) or (
+            cls.__dict__.get("_answers_for_units", False)
+            and isinstance(sub, type)
+            and issubclass(sub, FSDPUnit)
+        )
+
+
 class FSDP1Attributes:
     """FSDP1 instance attributes frameworks read, of the unit ``_fsdp_unit`` names."""
 

@@ -24,7 +24,6 @@ optimizer built over the parameters of the saved groups in ``model.parameters()`
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -37,7 +36,6 @@ from torch import nn
 from ..comm.collectives import Communicator
 from ..fsdp1_options import (
     FullOptimStateDictConfig,
-    OptimStateKeyType,
     StateDictSettings,
     model_config,
     optim_config,
@@ -45,6 +43,7 @@ from ..fsdp1_options import (
 )
 from ..options import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from . import state_dict as _sd
+from .fsdp1_rekey import names_keyed
 from .slots import model_slots
 
 _OPTIM: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -161,7 +160,7 @@ def optim_state_dict_to_load(
         optim_state_dict = broadcast_from_rank0(model_slots(model).world_comm, optim_state_dict)
     _check_given("optim_state_dict", optim_state_dict)
     return _sd.optim_state_dict_to_load(
-        model, optim, _names_keyed(optim_state_dict, model), load_directly=load_directly
+        model, optim, names_keyed(optim_state_dict, model), load_directly=load_directly
     )
 
 
@@ -275,7 +274,7 @@ def shard_full_optim_state_dict(
     """``optim.load_state_dict``'s argument for this rank from a full state dict (every rank
     passes it; keyed by name, or by parameter ID as ``rekey_optim_state_dict`` makes it)."""
     _legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
-    osd = _names_keyed(full_optim_state_dict, model, optim_input)
+    osd = names_keyed(full_optim_state_dict, model, optim_input)
     return _to_load(model, optim, osd, StateDictType.FULL_STATE_DICT)
 
 
@@ -292,7 +291,7 @@ def scatter_full_optim_state_dict(
     _no_group("scatter_full_optim_state_dict", group)
     comm = model_slots(model).world_comm
     if comm.rank == 0:
-        full_optim_state_dict = _names_keyed(full_optim_state_dict, model, optim_input)
+        full_optim_state_dict = names_keyed(full_optim_state_dict, model, optim_input)
     osd = broadcast_from_rank0(comm, full_optim_state_dict)
     return _to_load(model, optim, osd, StateDictType.FULL_STATE_DICT)
 
@@ -325,82 +324,3 @@ def _optimizer_like(model: nn.Module, osd: dict) -> SimpleNamespace:
         settings = {k: v for k, v in saved.items() if k != "params"}
         groups.append({**settings, "params": [slots[n].local for n in names]})
     return SimpleNamespace(param_groups=groups)
-
-
-# ------------------------------------------------------------------ rekeying
-def rekey_optim_state_dict(
-    optim_state_dict: dict,
-    optim_state_key_type: Any,
-    model: nn.Module,
-    optim_input: Any = None,
-    optim: torch.optim.Optimizer | None = None,
-) -> dict[str, Any]:
-    """Key ``optim_state_dict`` by parameter name or by parameter ID.
-
-    IDs are positions in ``optim``'s parameters (group after group), else in
-    ``optim_input``, else in ``model.parameters()``; names are ``model``'s (the unwrapped
-    model's names when ``model`` is a ``ShardedModule``).
-    """
-    key_type = OptimStateKeyType.parse(optim_state_key_type)
-    keys = list(optim_state_dict["state"])
-    if not all(isinstance(k, str) for k in keys) and not all(isinstance(k, int) for k in keys):
-        raise ValueError(f"optim_state_dict: mixed parameter keys {keys}")
-    names = _id_to_name(model, optim, optim_input)
-    if key_type is OptimStateKeyType.PARAM_NAME:
-        mapping: dict[Any, Any] = dict(enumerate(names))
-    else:
-        mapping = {name: i for i, name in enumerate(names)}
-    result = copy.copy(optim_state_dict)
-    if not _all_keyed_for(optim_state_dict, key_type):
-        result["state"] = {_mapped(mapping, k): v for k, v in optim_state_dict["state"].items()}
-        result["param_groups"] = [
-            {**g, "params": sorted(_mapped(mapping, k) for k in g["params"])}
-            for g in optim_state_dict["param_groups"]
-        ]
-    return result
-
-
-def _all_keyed_for(osd: dict, key_type: OptimStateKeyType) -> bool:
-    wanted = str if key_type is OptimStateKeyType.PARAM_NAME else int
-    keys = [*osd["state"], *(k for g in osd["param_groups"] for k in g["params"])]
-    return all(isinstance(k, wanted) for k in keys)
-
-
-def _mapped(mapping: dict, key: Any) -> Any:
-    if key not in mapping:
-        raise ValueError(f"optim_state_dict: parameter key {key!r} has no counterpart in the model")
-    return mapping[key]
-
-
-def _id_to_name(model: nn.Module, optim, optim_input) -> list[str]:
-    """Parameter names in parameter-ID order."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    if hasattr(model, "units") and hasattr(model, "comm_ledger"):  # a ShardedModule
-        name_of.update({k: s.fqn for k, s in model_slots(model).by_param.items()})
-    if optim is not None:
-        params = [p for g in optim.param_groups for p in g["params"]]
-    elif optim_input is not None:
-        items = list(optim_input)
-        params = (
-            [p for g in items for p in g["params"]]
-            if items and isinstance(items[0], dict)
-            else items
-        )
-    else:
-        return [n for n, _ in model.named_parameters()]
-    unknown = [tuple(p.shape) for p in params if id(p) not in name_of]
-    if unknown:
-        raise ValueError(f"optim: parameters of shapes {unknown} are not parameters of model")
-    return [name_of[id(p)] for p in params]
-
-
-def _names_keyed(osd: Any, model: nn.Module, optim_input: Any = None) -> Any:
-    """``osd`` keyed by parameter name; an ID-keyed one (IDs in ``optim_input`` or
-    ``model.parameters()`` order, as an unwrapped model's optimizer keys it) is rekeyed."""
-    if (
-        isinstance(osd, dict)
-        and "state" in osd
-        and not _all_keyed_for(osd, OptimStateKeyType.PARAM_NAME)
-    ):
-        return rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model, optim_input)
-    return osd
