@@ -81,7 +81,6 @@ def test_unknown_keys_suggest_the_nearest(config, message):
         ({"zero_optimization": {"zero_quantized_gradients": True}}, "qgZ"),
         ({"scheduler": {"type": "OneCycle", "params": {}}}, "'OneCycle' is not supported"),
         ({"optimizer": {"type": "Lamb"}}, "'Lamb' is not supported"),
-        ({"steps_per_print": 10}, "steps_per_print: not supported"),
         ({"activation_checkpointing": {}}, "activation_checkpointing: not supported"),
         (
             {
