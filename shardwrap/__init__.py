@@ -1,6 +1,8 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
+from . import comm, zero
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .ds_compat import DeepSpeedConfig, add_config_arguments, init_distributed
 from .engine import ShardedEngine, initialize
 from .forward_methods import register_forward_method
 from .grad_scaler import ShardedGradScaler
@@ -26,6 +28,7 @@ __all__ = [
     "ShardedStateDictConfig",
     "StateDictType",
     "CPUOffload",
+    "DeepSpeedConfig",
     "DiskOffload",
     "FullyShardedDataParallel",
     "MixedPrecision",
@@ -33,12 +36,17 @@ __all__ = [
     "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
+    "add_config_arguments",
+    "comm",
     "estimate_memory",
     "hybrid_process_groups",
+    "init_distributed",
     "initialize",
     "load_checkpoint",
     "load_pretrained",
     "register_forward_method",
     "save_checkpoint",
+    "zero",
 ]
 __version__ = "0.1.0"
+version = __version__  # DeepSpeed scripts read deepspeed.version as well as __version__

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardwrap
 from tests import models
@@ -17,9 +19,25 @@ def config(**extra) -> dict:
     return {"train_batch_size": 4, "optimizer": SGD, **extra}
 
 
-def test_needs_a_process_group():
-    with pytest.raises(RuntimeError, match="init_process_group"):
+def test_process_group_from_the_launchers_environment(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="environment lacks WORLD_SIZE, MASTER_ADDR"):
         shardwrap.initialize(model=models.MLP(), config=config())
+    with pytest.raises(RuntimeError, match="dist_init_required=False"):
+        shardwrap.initialize(model=models.MLP(), config=config(), dist_init_required=False)
+    # One process without a launcher: a one-rank gloo group, as torchrun --nproc-per-node 1.
+    monkeypatch.delenv("RANK")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    try:
+        engine, *_ = shardwrap.initialize(model=models.MLP(), config=config())
+        assert (engine.world_size, engine.global_rank, engine.local_rank) == (1, 0, 0)
+        assert dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
