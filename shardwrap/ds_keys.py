@@ -19,6 +19,7 @@ two offload blocks.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -215,13 +216,22 @@ def split_logging_keys(raw: Mapping) -> dict:
     asked = [key for key in LOGGING_KEYS if key in raw and not _logging_off(key, raw[key])]
     if asked:
         warnings.warn(
-            f"config: {', '.join(asked)} only steer DeepSpeed's logging or profiling; "
-            "shardwrap accepts and ignores them (log from your training loop; profile with "
-            "torch.profiler or shardwrap.profile)",
+            f"config: ignoring {', '.join(asked)}: keys that steer DeepSpeed's logging or "
+            "profiling, which shardwrap does not do (log from your training loop; profile "
+            "with torch.profiler or shardwrap.profile)",
             UserWarning,
-            stacklevel=4,
+            stacklevel=_first_caller_outside_shardwrap(),
         )
     return {key: value for key, value in raw.items() if key not in LOGGING_KEYS}
+
+
+def _first_caller_outside_shardwrap() -> int:
+    """The ``stacklevel`` that points a warning at the user's line, not ours."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1  # the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _logging_off(key: str, value: object) -> bool:

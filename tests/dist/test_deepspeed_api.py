@@ -39,11 +39,14 @@ def _worker(rank: int, world_size: int) -> dict:
     with deepspeed.zero.GatheredParameters([model.fc1.weight, model.fc1.bias], modifier_rank=0):
         model.fc1.weight.data.fill_(float(rank) + 1.0)  # rank 0's value wins
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        out["after"] = model.fc1.weight.detach().clone()
+        out["after"] = model.fc1.weight.tolist()  # plain lists through the queue
     x = torch.ones(2, 6)
-    out["forward"] = engine(x).detach()
+    out["forward"] = engine(x).tolist()
     out["comm"] = (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size())
     out["local_rank"] = deepspeed.comm.get_local_rank()
+    # initialize also takes a DeepSpeedConfig object (DeepSpeed takes only dicts and paths).
+    other, *_ = deepspeed.initialize(model=Net(), config=deepspeed.DeepSpeedConfig(CONFIG))
+    out["other_stage"] = other.zero_optimization_stage()
     return out
 
 
@@ -52,9 +55,10 @@ def test_zero_init_gathered_parameters_and_comm():
     for rank, out in enumerate(results):
         assert out["sharded_numel"] < 30  # a shard, outside the block
         assert out["gathered_equal"]
-        assert torch.equal(out["after"], torch.ones(5, 6))  # rank 0's edit, on every rank
+        assert out["after"] == torch.ones(5, 6).tolist()  # rank 0's edit, on every rank
         assert out["comm"] == (rank, 2)
-    torch.testing.assert_close(results[0]["forward"], results[1]["forward"])
+        assert out["other_stage"] == 3
+    assert results[0]["forward"] == results[1]["forward"]
 
 
 def test_add_config_arguments_and_config_class(tmp_path):

@@ -51,6 +51,10 @@ def test_logging_keys_left_off_do_not_warn():
         ({"compile": {"deepcompile": True}}, "compile feature is DeepSpeed-only"),
         ({"gradient_allreduce_op": "sum"}, "DeepSpeed-only"),
         ({"tensor_parallel": {"autotp_size": 2}}, "DeepSpeed-only"),
+        (
+            {"optimizer": {"type": "Adam", "params": {"fp32_optimizer_states": False}}},
+            "always fp32",
+        ),
     ],
 )
 def test_valid_deepspeed_keys_are_refused_as_such(config, message):
@@ -73,6 +77,8 @@ def test_valid_deepspeed_keys_at_their_defaults_are_accepted():
         torch_autocast={"enabled": False},
     )
     assert config.zero_optimization.stage3_prefetch_bucket_size == 1000
+    adam = load(optimizer={"type": "AdamW", "params": {"foreach": False}}).optimizer
+    assert adam.kwargs["foreach"] is False  # passed to torch's AdamW, as DeepSpeed does
 
 
 def test_no_deepspeed_top_level_key_is_unknown():
