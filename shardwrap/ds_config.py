@@ -134,7 +134,7 @@ class DeepSpeedConfig:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
-    gradient_clipping: float = 0.0  # 0 = off
+    gradient_clipping: float = 1.0  # 0 = off; DeepSpeed's default clips at 1.0
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
@@ -242,7 +242,7 @@ def parse_config(raw: Mapping) -> DeepSpeedConfig:
             "train_micro_batch_size_per_gpu", None, minimum=1
         ),
         gradient_accumulation_steps=top.integer("gradient_accumulation_steps", None, minimum=1),
-        gradient_clipping=top.number("gradient_clipping", 0.0, minimum=0.0),
+        gradient_clipping=top.number("gradient_clipping", 1.0, minimum=0.0),
         zero_optimization=_parse_zero(top.section("zero_optimization")),
         fp16=fp16,
         bf16=bf16,

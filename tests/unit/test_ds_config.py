@@ -17,6 +17,11 @@ def load(**top) -> DeepSpeedConfig:
     return DeepSpeedConfig.load({"train_batch_size": 8, **top})
 
 
+def test_gradient_clipping_defaults_to_deepspeeds_one():
+    assert load().gradient_clipping == 1.0
+    assert load(gradient_clipping=0).gradient_clipping == 0.0
+
+
 def test_zero_defaults_are_deepspeeds():
     # Values from DeepSpeed's config code (/work/shared/reference/deepspeed-config.md).
     zero = load().zero_optimization
