@@ -71,7 +71,10 @@ def initialize(
     )
     parsed = DeepSpeedConfig.load(config)
     batch = parsed.batch_sizes(collectives.world_size())
-    names = {id(p): name for name, p in model.named_parameters()}
+    # The originals stay referenced until the optimizer is attached: wrapping frees them, and
+    # a shard view could then reuse a freed original's id and be taken for that parameter.
+    originals = dict(model.named_parameters())
+    names = {id(p): name for name, p in originals.items()}
     sharded = wrap_model(model, parsed, auto_wrap_policy)
     built_optimizer = attach_optimizer(sharded, parsed, optimizer, model_parameters, names)
     if sharded.disk_store is not None and type(built_optimizer) not in DISK_OPTIMIZERS:
@@ -79,6 +82,7 @@ def initialize(
             "zero_optimization: 'nvme' keeps optimizer state on disk for "
             f"Adam and AdamW only, got {type(built_optimizer).__name__}"
         )
+    del originals
     scheduler = build_scheduler(parsed, built_optimizer, lr_scheduler)
     engine = ShardedEngine(sharded, built_optimizer, scheduler, parsed, batch)
     loader = None

@@ -154,3 +154,13 @@ def test_checkpoint_without_checkpoint_module(one_rank, tmp_path):
         engine.save_checkpoint(tmp_path)
     with pytest.raises(RuntimeError, match="need shardwrap.checkpoint"):
         engine.load_checkpoint(tmp_path)
+
+
+def test_a_shard_view_is_never_taken_for_a_freed_parameter():
+    """``model.parameters()`` read after wrapping yields shard views; one may reuse the id of
+    an original parameter that wrapping freed, and must still map to itself."""
+    from shardwrap.engine_setup import _remap
+
+    view, other = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    stale_names = {id(view): "other"}  # as if `view` reused the id of the freed original
+    assert _remap(view, stale_names, {"view": view, "other": other}) is view
