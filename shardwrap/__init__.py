@@ -1,9 +1,13 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
+from . import comm
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .ckpt.pretrained import load_pretrained
 from .comm.groups import hybrid_process_groups
+from .comm.launch import init_distributed
+from .deepspeed import zero_api as zero
 from .deepspeed.engine import ShardedEngine, initialize
+from .deepspeed.front_door import DeepSpeedConfig, add_config_arguments
 from .features.forward_methods import register_forward_method
 from .features.grad_scaler import ShardedGradScaler
 from .fsdp1_options import (
@@ -41,6 +45,7 @@ __all__ = [
     "ShardedStateDictConfig",
     "StateDictType",
     "CPUOffload",
+    "DeepSpeedConfig",
     "DiskOffload",
     "FullyShardedDataParallel",
     "MixedPrecision",
@@ -48,8 +53,11 @@ __all__ = [
     "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
+    "add_config_arguments",
+    "comm",
     "estimate_memory",
     "hybrid_process_groups",
+    "init_distributed",
     "initialize",
     "install",
     "is_installed",
@@ -58,5 +66,7 @@ __all__ = [
     "register_forward_method",
     "save_checkpoint",
     "uninstall",
+    "zero",
 ]
 __version__ = "0.1.0"
+version = __version__  # DeepSpeed scripts read deepspeed.version as well as __version__

@@ -8,6 +8,10 @@ import tempfile
 import pytest
 import torch.distributed as dist
 
+# DeepSpeed (a test extra, the reference in the DeepSpeed parity tests) must not look for an
+# accelerator or compile ops on this CPU machine; spawned ranks inherit the setting.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 
 @pytest.fixture
 def one_rank():

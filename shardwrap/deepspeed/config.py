@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from . import keys as ds_keys
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .sections import Section
 from .zero import ZeroConfig, parse_zero
@@ -77,7 +78,7 @@ class DeepSpeedConfig:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
-    gradient_clipping: float = 0.0  # 0 = off
+    gradient_clipping: float = 1.0  # 0 = off; DeepSpeed's default clips at 1.0
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
@@ -118,25 +119,17 @@ def _read_json(path: str | os.PathLike) -> dict:
 
 
 # Top-level DeepSpeed keys whose features shardwrap does not implement: (off value, why).
+# Keys that only steer logging/profiling are accepted with a warning ([Note: DeepSpeed's keys]).
 _UNSUPPORTED_TOP = {
-    "steps_per_print": (_ALWAYS, "shardwrap prints nothing; log from your training loop"),
-    "wall_clock_breakdown": (False, "no timers; use torch.profiler"),
-    "memory_breakdown": (False, "use shardwrap.estimate_memory or torch.cuda memory stats"),
     "prescale_gradients": (False, "gradients are averaged after reduction"),
     "gradient_predivide_factor": (1.0, "gradients are averaged after reduction"),
     "sparse_gradients": (False, "sparse gradients are not sharded"),
     "communication_data_type": (None, "collectives run in the parameter dtype"),
     "amp": (_ALWAYS, "use the bf16 or fp16 blocks"),
-    "dump_state": (False, "no state dump"),
     "seed": (_ALWAYS, "seed torch yourself before building the model"),
 }
 for _feature in (
     "activation_checkpointing",
-    "flops_profiler",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comms_logger",
     "compression_training",
     "elasticity",
     "pipeline",
@@ -165,15 +158,25 @@ _TOP_KEYS = {
 }
 
 
+_UNSUPPORTED_TOP.update(ds_keys.other_top_level_refusals(_TOP_KEYS | set(_UNSUPPORTED_TOP)))
+
+
 def parse_config(raw: Mapping) -> DeepSpeedConfig:
     """Validate a config mapping into a :class:`DeepSpeedConfig`."""
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"config: expected a mapping, got {type(raw).__name__}")
+    raw = ds_keys.split_logging_keys(raw)
     top = Section("", raw, known=_TOP_KEYS, unsupported=_UNSUPPORTED_TOP)
     if top.has("bf16") and top.has("bfloat16"):
         raise ValueError("bf16 and bfloat16 are the same block; give only one of them")
     bf16_key = "bfloat16" if top.has("bfloat16") else "bf16"
-    bf16 = BF16Config(**Section(bf16_key, top.section(bf16_key), known={"enabled"}).raw)
-    if not isinstance(bf16.enabled, bool):
-        raise TypeError(f"{bf16_key}.enabled: expected true or false, got {bf16.enabled!r}")
+    bf16_section = Section(
+        bf16_key,
+        top.section(bf16_key),
+        known={"enabled"},
+        unsupported=ds_keys.refusals(ds_keys.BF16_KEYS),
+    )
+    bf16 = BF16Config(enabled=bf16_section.boolean("enabled", False))
     fp16 = _parse_fp16(top.section("fp16"))
     if fp16.enabled and bf16.enabled:
         raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
@@ -183,7 +186,7 @@ def parse_config(raw: Mapping) -> DeepSpeedConfig:
             "train_micro_batch_size_per_gpu", None, minimum=1
         ),
         gradient_accumulation_steps=top.integer("gradient_accumulation_steps", None, minimum=1),
-        gradient_clipping=top.number("gradient_clipping", 0.0, minimum=0.0),
+        gradient_clipping=top.number("gradient_clipping", 1.0, minimum=0.0),
         zero_optimization=parse_zero(top.section("zero_optimization")),
         fp16=fp16,
         bf16=bf16,
@@ -196,7 +199,7 @@ def parse_config(raw: Mapping) -> DeepSpeedConfig:
 
 def _parse_fp16(raw: dict) -> FP16Config:
     names = {f for f in FP16Config.__dataclass_fields__}
-    section = Section("fp16", raw, known=names)
+    section = Section("fp16", raw, known=names, unsupported=ds_keys.refusals(ds_keys.FP16_KEYS))
     return FP16Config(
         enabled=section.boolean("enabled", False),
         auto_cast=section.boolean("auto_cast", False),

@@ -20,11 +20,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from ..comm import collectives
+from ..comm import collectives, launch
 from ..comm.collectives import Communicator
+from ..features.summon import units_of
 from ..runtime.step import reduce_deferred_grads_for
 from ..wrap import ShardedModule
 from . import checkpoint as engine_checkpoint
+from . import front_door
 from .config import DeepSpeedConfig
 from .loss_scaler import LossScaler
 from .setup import DISK_OPTIMIZERS, attach_optimizer, build_scheduler, wrap_model
@@ -41,29 +43,40 @@ def initialize(
     *,
     collate_fn: Callable | None = None,
     auto_wrap_policy: Any = None,
+    distributed_port: int = launch.DEFAULT_PORT,
+    dist_init_required: bool | None = None,
+    config_params: dict | str | os.PathLike | None = None,
+    mpu: Any = None,
+    mesh_param: Any = None,
 ) -> tuple[ShardedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader, scheduler)``.
 
-    ``config`` is a dict or a JSON path (or ``args.deepspeed_config``). ``optimizer`` may
-    be built before this call over ``model.parameters()``: its parameter groups are moved
-    onto the shard views (it must not have stepped yet). ``auto_wrap_policy`` (ours) picks
-    the units, as for ``ShardedModule``. Call ``torch.distributed.init_process_group``
-    first; the data-parallel size is the world size.
+    ``config`` is a dict or a JSON path (or ``args.deepspeed_config``, or DeepSpeed's older
+    ``config_params``). ``optimizer`` may be built before this call over
+    ``model.parameters()``: its parameter groups are moved onto the shard views (it must
+    not have stepped yet). ``auto_wrap_policy`` (ours) picks the units, as for
+    ``ShardedModule``. Without a process group, one is set up from the launcher's
+    environment as DeepSpeed does (:func:`shardwrap.comm.launch.init_distributed`); the
+    data-parallel size is the world size. ``mpu`` and ``mesh_param`` (model parallelism)
+    are refused.
     """
-    if config is None:
-        config = getattr(args, "deepspeed_config", None)
-        if config is None:
-            raise ValueError("config: give config=dict or a JSON path (or args.deepspeed_config)")
+    config = front_door.config_from(args, config, config_params)
     if model is None or not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if not collectives.is_initialized():
-        raise RuntimeError(
-            "initialize: no process group is initialised; call "
-            "torch.distributed.init_process_group(...) first"
+    if mpu is not None or mesh_param is not None:
+        raise ValueError(
+            "initialize: mpu / mesh_param (model or sequence parallelism) are not supported; "
+            "shardwrap is data parallel only"
         )
+    launch.init_distributed(
+        distributed_port=distributed_port, dist_init_required=dist_init_required
+    )
     parsed = DeepSpeedConfig.load(config)
     batch = parsed.batch_sizes(collectives.world_size())
-    names = {id(p): name for name, p in model.named_parameters()}
+    # The originals stay referenced until the optimizer is attached: wrapping frees them, and
+    # a shard view could then reuse a freed original's id and be taken for that parameter.
+    originals = dict(model.named_parameters())
+    names = {id(p): name for name, p in originals.items()}
     sharded = wrap_model(model, parsed, auto_wrap_policy)
     built_optimizer = attach_optimizer(sharded, parsed, optimizer, model_parameters, names)
     if sharded.disk_store is not None and type(built_optimizer) not in DISK_OPTIMIZERS:
@@ -71,6 +84,7 @@ def initialize(
             "zero_optimization: 'nvme' keeps optimizer state on disk for "
             f"Adam and AdamW only, got {type(built_optimizer).__name__}"
         )
+    del originals
     scheduler = build_scheduler(parsed, built_optimizer, lr_scheduler)
     engine = ShardedEngine(sharded, built_optimizer, scheduler, parsed, batch)
     loader = None
@@ -119,6 +133,8 @@ class ShardedEngine(nn.Module):
         self.micro_steps = 0  # backward/step pairs so far
         self.global_steps = 0  # optimizer steps so far (skipped fp16 overflow steps too)
         self.skipped_steps = 0  # fp16 steps skipped for an inf/NaN gradient
+        self._step_applied = False  # whether the last boundary step updated the weights
+        self._global_grad_norm: float | None = None  # from the last clipping, if any
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
         self._world_comm = Communicator(collectives.default_group(), module.comm_ledger)
 
@@ -140,6 +156,51 @@ class ShardedEngine(nn.Module):
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradients' global 2-norm before clipping at the last applied step.
+
+        ``None`` when ``gradient_clipping`` is off (the norm is computed only to clip) or
+        before the first step.
+        """
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (fp16 inf/NaN) or none ran yet."""
+        return self._step_applied
+
+    @property
+    def global_rank(self) -> int:
+        return collectives.world_rank()
+
+    @property
+    def world_size(self) -> int:
+        return collectives.world_size()
+
+    @property
+    def local_rank(self) -> int:
+        """The launcher's ``LOCAL_RANK`` (0 without one)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (the accelerator also under CPU offload)."""
+        for unit in units_of(self.module, recurse=True):
+            if unit.handle is not None:
+                return unit.handle.compute_device
+        return next(self.module.parameters(), torch.empty(0)).device
 
     # -------------------------------------------------------------- training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -165,6 +226,7 @@ class ShardedEngine(nn.Module):
         self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
+        self._step_applied = False
         if self.loss_scaler is not None and not self._unscale_gradients():
             self.skipped_steps += 1
             self.loss_scaler.update(overflow=True)
@@ -172,8 +234,10 @@ class ShardedEngine(nn.Module):
             return
         if self.config.gradient_clipping > 0:
             # Also reduces ZeRO-1's deferred gradients first; the step then finds none.
-            self.module.clip_grad_norm_(self.config.gradient_clipping)
+            norm = self.module.clip_grad_norm_(self.config.gradient_clipping)
+            self._global_grad_norm = float(norm)
         self.optimizer.step()
+        self._step_applied = True
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         if self.loss_scaler is not None:
@@ -209,9 +273,19 @@ class ShardedEngine(nn.Module):
         tag: str | None = None,
         client_state: dict | None = None,
         save_latest: bool = True,
-    ) -> str:
-        """Save under ``save_dir/tag`` (default tag ``global_step<N>``); returns the path."""
-        return engine_checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save under ``save_dir/tag`` (default tag ``global_step<N>``); returns True.
+
+        (DeepSpeed's return value; the checkpoint is the directory ``save_dir/tag``.)
+        """
+        if exclude_frozen_parameters:
+            raise ValueError(
+                "save_checkpoint: exclude_frozen_parameters=True is not supported; "
+                "checkpoints hold every parameter"
+            )
+        engine_checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
+        return True
 
     def load_checkpoint(
         self,
@@ -221,12 +295,17 @@ class ShardedEngine(nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Callable | None = None,
     ) -> tuple[str | None, dict | None]:
         """Load ``load_dir/tag`` (default: the tag in ``load_dir/latest``).
 
         Returns ``(path, client_state)``, or ``(None, None)`` when no tag is given and
         ``load_dir`` has no ``latest`` file (DeepSpeed's contract: start fresh).
+        ``client_state`` is the dict given to ``save_checkpoint`` (DeepSpeed's also holds
+        its own bookkeeping keys). ``custom_load_fn`` is refused.
         """
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint: custom_load_fn is not supported")
         return engine_checkpoint.load(
             self,
             load_dir,

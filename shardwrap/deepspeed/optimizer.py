@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import keys as ds_keys
 from . import lr_schedules
 from .sections import Section, unknown_key_message
 
@@ -33,7 +34,14 @@ class SchedulerType(enum.Enum):
     WARMUP_COSINE_LR = "WarmupCosineLR"
 
 
-_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam"}
+_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "foreach"}
+# DeepSpeed's Adam-family params that we do not implement ([Note: DeepSpeed's keys]).
+_ADAM_REFUSED = {
+    "fp32_optimizer_states": (
+        ds_keys.OffWhen(lambda value: value in (None, True)),
+        ds_keys.valid_but_unsupported("optimizer state is always fp32 here"),
+    ),
+}
 _OPTIMIZER_KEYS = {
     OptimizerType.ADAM: _ADAM_KEYS | {"adam_w_mode"},
     OptimizerType.ADAMW: _ADAM_KEYS,
@@ -111,7 +119,12 @@ def parse_optimizer(raw: object) -> OptimizerConfig:
             )
         )
     kind = members[type_name.lower()]
-    params = Section("optimizer.params", block.section("params"), known=_OPTIMIZER_KEYS[kind])
+    params = Section(
+        "optimizer.params",
+        block.section("params"),
+        known=_OPTIMIZER_KEYS[kind],
+        unsupported=_ADAM_REFUSED if kind is not OptimizerType.SGD else None,
+    )
     values: dict[str, Any] = {"lr": params.number("lr", 1e-3, minimum=0.0)}
     values["weight_decay"] = params.number("weight_decay", 0.0, minimum=0.0)
     if kind is OptimizerType.SGD:
@@ -123,6 +136,13 @@ def parse_optimizer(raw: object) -> OptimizerConfig:
         values["eps"] = params.number("eps", 1e-8, minimum=0.0)
         values["amsgrad"] = params.boolean("amsgrad", False)
         values["torch_adam"] = params.boolean("torch_adam", False)
+        foreach = params.get("foreach")
+        if foreach is not None and not isinstance(foreach, bool):
+            raise TypeError(
+                f"optimizer.params.foreach: expected true, false or null, got {foreach!r}"
+            )
+        if foreach is not None:
+            values["foreach"] = foreach  # passed to torch's Adam/AdamW, as DeepSpeed does
         if kind is OptimizerType.ADAM:
             values["adam_w_mode"] = params.boolean("adam_w_mode", True)
     return OptimizerConfig(type=kind, params=tuple(values.items()))

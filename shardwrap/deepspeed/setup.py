@@ -188,10 +188,10 @@ def attach_optimizer(
 def _remap(param: object, names: dict[int, str], shard_views: dict[str, nn.Parameter]):
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"model_parameters: expected parameters, got {type(param).__name__}")
+    if any(param is view for view in shard_views.values()):
+        return param  # already a shard view (e.g. model.parameters() read after wrapping)
     if id(param) in names:
         return shard_views[names[id(param)]]
-    if any(param is view for view in shard_views.values()):
-        return param
     raise ValueError(f"optimizer: a parameter of shape {tuple(param.shape)} is not in the model")
 
 

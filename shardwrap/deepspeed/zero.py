@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from . import keys as ds_keys
 from .sections import Section
 
 
@@ -98,7 +99,9 @@ _ZERO_SIZES = (
 def parse_zero(raw: dict) -> ZeroConfig:
     """Read and validate the ``zero_optimization`` block."""
     known = set(ZeroConfig.__dataclass_fields__) - {"unit_persistence_threshold"}
-    section = Section("zero_optimization", raw, known=known, unsupported=_ZERO_UNSUPPORTED)
+    unsupported = {**_ZERO_UNSUPPORTED, **ds_keys.refusals(ds_keys.ZERO_KEYS)}
+    raw = ds_keys.rename_zero_aliases(raw)
+    section = Section("zero_optimization", raw, known=known, unsupported=unsupported)
     stage = section.integer("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_optimization.stage: expected 0, 1, 2 or 3, got {stage}")
@@ -153,7 +156,10 @@ def _parse_offload_param(raw: dict) -> OffloadParamConfig:
 
 def _parse_offload_optimizer(raw: dict) -> OffloadOptimizerConfig:
     known = set(OffloadOptimizerConfig.__dataclass_fields__)
-    unsupported = {"ratio": (1.0, "partial optimizer offload (ratio < 1)")}
+    unsupported = {
+        "ratio": (1.0, "partial optimizer offload (ratio < 1)"),
+        **ds_keys.refusals(ds_keys.OFFLOAD_OPTIMIZER_KEYS),
+    }
     section = Section(
         "zero_optimization.offload_optimizer", raw, known=known, unsupported=unsupported
     )

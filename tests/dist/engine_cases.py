@@ -110,7 +110,11 @@ def train_with_client_optimizer(rank: int, world_size: int) -> None:
     model = build_model("mlp")
     reference = copy.deepcopy(model)
     client = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    config = {"train_batch_size": 4 * world_size, "zero_optimization": {"stage": 1}}
+    config = {
+        "train_batch_size": 4 * world_size,
+        "zero_optimization": {"stage": 1},
+        "gradient_clipping": 0.0,  # the reference does not clip (DeepSpeed's default is 1.0)
+    }
     engine, optim, _, scheduler = shardwrap.initialize(
         model=model, optimizer=client, config=config, auto_wrap_policy=wrap_policy("mlp")
     )

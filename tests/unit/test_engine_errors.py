@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardwrap
 from tests import models
@@ -15,9 +18,25 @@ def config(**extra) -> dict:
     return {"train_batch_size": 4, "optimizer": SGD, **extra}
 
 
-def test_needs_a_process_group():
-    with pytest.raises(RuntimeError, match="init_process_group"):
+def test_process_group_from_the_launchers_environment(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="environment lacks WORLD_SIZE, MASTER_ADDR"):
         shardwrap.initialize(model=models.MLP(), config=config())
+    with pytest.raises(RuntimeError, match="dist_init_required=False"):
+        shardwrap.initialize(model=models.MLP(), config=config(), dist_init_required=False)
+    # One process without a launcher: a one-rank gloo group, as torchrun --nproc-per-node 1.
+    monkeypatch.delenv("RANK")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    try:
+        engine, *_ = shardwrap.initialize(model=models.MLP(), config=config())
+        assert (engine.world_size, engine.global_rank, engine.local_rank) == (1, 0, 0)
+        assert dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
@@ -122,3 +141,13 @@ def test_batch_accessors_and_config_from_args(one_rank, tmp_path):
     engine, _, loader, scheduler = shardwrap.initialize(args=args, model=models.MLP())
     assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()) == (6, 2)
     assert engine.gradient_accumulation_steps() == 3 and loader is None and scheduler is None
+
+
+def test_a_shard_view_is_never_taken_for_a_freed_parameter():
+    """``model.parameters()`` read after wrapping yields shard views; one may reuse the id of
+    an original parameter that wrapping freed, and must still map to itself."""
+    from shardwrap.deepspeed.setup import _remap
+
+    view, other = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    stale_names = {id(view): "other"}  # as if `view` reused the id of the freed original
+    assert _remap(view, stale_names, {"view": view, "other": other}) is view

@@ -1,4 +1,8 @@
-"""DeepSpeed's warm-up schedules, checked against values worked out by hand."""
+"""DeepSpeed's warm-up schedules, checked against values worked out by hand.
+
+As DeepSpeed's classes, a schedule starts one iteration before 0: the first optimizer step
+runs with the "not started" rate (``test_lr_schedules_deepspeed.py`` compares with them).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ def optimizer(lr: float = 1.0, groups: int = 1) -> torch.optim.Optimizer:
 
 
 def rates(scheduler, optim, num_steps: int) -> list[float]:
-    """The rate each optimizer step runs with (step t sees the schedule at t)."""
+    """The rate each optimizer step runs with (step k sees the schedule at k - 1)."""
     seen = []
     for _ in range(num_steps):
         seen.append(optim.param_groups[0]["lr"])
@@ -28,14 +32,14 @@ def rates(scheduler, optim, num_steps: int) -> list[float]:
 def test_warmup_lr_log_and_linear():
     optim = optimizer()
     log = WarmupLR(optim, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10)
-    expected = [math.log(t + 1) / math.log(10) for t in range(10)] + [1.0, 1.0]
+    expected = [0.0] + [math.log(t + 1) / math.log(10) for t in range(10)] + [1.0]
     assert rates(log, optim, 12) == pytest.approx(expected, abs=1e-12)
-    assert expected[1] == pytest.approx(0.30103, abs=1e-5)
+    assert expected[2] == pytest.approx(0.30103, abs=1e-5)
     optim = optimizer()
     linear = WarmupLR(
         optim, warmup_min_lr=0.1, warmup_max_lr=0.5, warmup_num_steps=4, warmup_type="linear"
     )
-    assert rates(linear, optim, 6) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.5])
+    assert rates(linear, optim, 6) == pytest.approx([0.1, 0.1, 0.2, 0.3, 0.4, 0.5])
 
 
 def test_warmup_decay_lr():
@@ -43,8 +47,8 @@ def test_warmup_decay_lr():
     scheduler = WarmupDecayLR(
         optim, total_num_steps=10, warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear"
     )
-    # warm-up 0, .25, .5, .75; then (10 - t) / 6 from t = 4; never below 0.
-    expected = [0.0, 0.25, 0.5, 0.75, 1.0, 5 / 6, 4 / 6, 0.5, 2 / 6, 1 / 6, 0.0, 0.0]
+    # not started (0), warm-up 0, .25, .5, .75; then (10 - i) / 6 from i = 4; never below 0.
+    expected = [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 5 / 6, 4 / 6, 0.5, 2 / 6, 1 / 6, 0.0]
     assert rates(scheduler, optim, 12) == pytest.approx(expected)
 
 
@@ -59,10 +63,10 @@ def test_warmup_cosine_lr_scales_each_groups_own_rate():
         cos_min_ratio=0.1,
     )
     got = rates(scheduler, optim, 12)
-    assert got[:2] == pytest.approx([0.0, 1.0])  # ratio 0, 0.5 of lr 2.0
+    assert got[:3] == pytest.approx([0.0, 0.0, 1.0])  # not started, ratio 0, 0.5 of lr 2.0
     cosine = [0.1 + 0.9 * (1 + math.cos(math.pi * s / 8)) / 2 for s in range(1, 9)]
-    assert got[2:10] == pytest.approx([2.0 * r for r in cosine])
-    assert got[9:] == pytest.approx([0.2, 0.2, 0.2])  # stays at cos_min_ratio after the end
+    assert got[3:11] == pytest.approx([2.0 * r for r in cosine])
+    assert got[10:] == pytest.approx([0.2, 0.2])  # stays at cos_min_ratio after the end
 
 
 def test_per_group_values_and_state_round_trip():
@@ -71,7 +75,7 @@ def test_per_group_values_and_state_round_trip():
     for _ in range(3):
         optim.step()
         scheduler.step()
-    assert [g["lr"] for g in optim.param_groups] == pytest.approx([0.6, 1.2])
+    assert [g["lr"] for g in optim.param_groups] == pytest.approx([0.4, 0.8])
     state = scheduler.state_dict()
     fresh_optim = optimizer(groups=2)
     fresh = WarmupLR(
