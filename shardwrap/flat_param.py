@@ -208,6 +208,13 @@ class FlatParamHandle:
         piece = self.pieces[index]
         return flat[piece.shard_start : piece.shard_end]
 
+    def shown_params(self) -> list[nn.Parameter]:
+        """The parameter the module shows now at each index (tied ones once)."""
+        seen: dict[int, nn.Parameter] = {}
+        for module, attr, index in self._site_slots:
+            seen.setdefault(index, module._parameters[attr])
+        return [seen[i] for i in sorted(seen)]
+
     def show_params(self, params: list[nn.Parameter]) -> None:
         """Register ``params`` (``full_params`` or ``shard_params``, or a summon's copies) at
         every site. Twice per unit and step: one flat loop, no call per site."""

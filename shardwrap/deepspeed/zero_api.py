@@ -25,10 +25,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..core.unit import Unit
 from ..features.summon import summon_full_params
+from ..runtime import registry
 
 
 class Init(contextlib.ContextDecorator):
@@ -59,30 +60,17 @@ class Init(contextlib.ContextDecorator):
         return False
 
 
-def _units_holding(params: list[torch.Tensor]) -> list[nn.Module]:
-    """The wrapped unit modules whose handles hold any of ``params`` (in wrap order)."""
-    from .wrap import _MANAGED
-
+def _units_holding(params: list[torch.Tensor]) -> list[tuple[nn.Module, Unit]]:
+    """The wrapped units whose handles hold any of ``params`` (in wrap order)."""
     wanted = {id(p) for p in params}
-    modules = []
-    for module, unit in list(_MANAGED.items()):
+    found = []
+    for module, unit in registry.managed_units():
         handle = unit.handle
         if handle is None:
             continue
-        shown = [site._parameters.get(attr) for site, attr, _ in handle._site_slots]
-        if any(id(p) in wanted for p in [*handle.shard_params, *shown]):
-            modules.append(module)
-    return modules
-
-
-def _shown_params(module: nn.Module) -> list[torch.Tensor]:
-    from .wrap import _MANAGED
-
-    handle = _MANAGED[module].handle
-    seen: dict[int, torch.Tensor] = {}
-    for site, attr, index in handle._site_slots:
-        seen.setdefault(index, site._parameters[attr])
-    return [seen[i] for i in sorted(seen)]
+        if any(id(p) in wanted for p in [*handle.shard_params, *handle.shown_params()]):
+            found.append((module, unit))
+    return found
 
 
 @contextlib.contextmanager
@@ -102,13 +90,17 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name
         yield
         return
     with contextlib.ExitStack() as stack:
-        for module in units:
+        for module, _ in units:
             stack.enter_context(
                 summon_full_params(module, recurse=False, writeback=modifier_rank is not None)
             )
         yield
         if modifier_rank is not None:
             with torch.no_grad():
-                for module in units:
-                    for shown in _shown_params(module):
-                        dist.broadcast(shown.data, src=modifier_rank)
+                for _, unit in units:
+                    world = registry.runtime_of(unit).world_comm
+                    for shown in unit.handle.shown_params():
+                        work = world.broadcast(
+                            shown.data, src_rank=modifier_rank, purpose="gathered_parameters"
+                        )
+                        work.wait()

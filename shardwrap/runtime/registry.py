@@ -42,6 +42,11 @@ def add_root(root: nn.Module, inner: nn.Module, runtime: StepRuntime) -> None:
         _RUNTIMES[unit] = runtime
 
 
+def managed_units() -> list[tuple[nn.Module, Unit]]:
+    """Every live unit with the module it became, in wrap order."""
+    return list(_UNITS.items())
+
+
 def is_managed(module: nn.Module) -> bool:
     """Whether ``module`` is some root's unit already."""
     return module in _UNITS

@@ -5,9 +5,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from shardwrap.deepspeed.config import DeepSpeedConfig
 
 from shardwrap.deepspeed import keys as ds_keys
+from shardwrap.deepspeed.config import DeepSpeedConfig
 
 
 def load(**top) -> DeepSpeedConfig:
