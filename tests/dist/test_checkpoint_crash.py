@@ -11,6 +11,7 @@ from tests.dist.ckpt_workers import assemble, crash_phase, load_outcomes, phase
 from tests.dist.harness import run_ranks
 
 
+@pytest.mark.fresh_ranks  # a rank is killed
 def test_killed_rank_leaves_previous_checkpoint_loadable(tmp_path):
     previous = str(tmp_path / "step2")
     partial = str(tmp_path / "step4")
