@@ -12,7 +12,7 @@ pool is killed, and the next test of that world size gets a new one: no test run
 ranks that may be in the middle of a failed test's collective.
 
 Between tests each rank puts back what a fresh process would have (see ``_Task``):
-environment variables, torch's default generator seeded as at start-up, one intra-op
+environment variables, torch's default generator seeded anew (randomly), one intra-op
 thread, default dtype, grad mode, upper-case module settings of ``shardwrap`` and the test
 modules, global optimizer and module hooks, process groups other than the world's. Then
 it collects garbage and checks that shardwrap's module-level weak registries (wrapped
@@ -214,8 +214,10 @@ class _Pool:
         dirty: list[str] = []
         deadline = time.monotonic() + RANK_TIMEOUT_S
         waiting = {conn: rank for rank, conn in enumerate(self.conns)}
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         while waiting:
+            # A rank that reported may end (when it left its state unclean): only the
+            # ranks still running are watched for death.
+            sentinels = {self.procs[rank].sentinel: rank for rank in waiting.values()}
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AssertionError(
@@ -231,17 +233,35 @@ class _Pool:
                     except EOFError:
                         ok, payload, unclean = False, "the rank's pipe closed (it died)", []
                     if not ok:
-                        raise AssertionError(f"rank {rank}:\n{payload}")
+                        raise AssertionError(self._errors_with(rank, payload, waiting))
                     results[rank] = payload
                     dirty += [f"rank {rank}: {reason}" for reason in unclean]
             for handle in ready:
-                if handle in sentinels:
-                    rank = sentinels[handle]
-                    if self.conns[rank] in waiting and self.conns[rank].poll():
-                        continue  # its report is in the pipe; read it first
+                rank = sentinels.get(handle, -1)
+                if rank >= 0 and self.conns[rank] in waiting:
+                    if self.conns[rank].poll():
+                        continue  # its report came with its end; read it first
+                    self.procs[rank].join(timeout=1.0)
                     code = self.procs[rank].exitcode
-                    raise AssertionError(f"ranks [{rank}] exited with codes [{code}]")
+                    error = f"ranks [{rank}] exited with codes [{code}]"
+                    del waiting[self.conns[rank]]
+                    raise AssertionError(self._errors_with(rank, error, waiting))
         return [results[r] for r in range(self.world_size)], dirty
+
+    def _errors_with(self, rank: int, payload: str, waiting: dict) -> str:
+        """The first failure, with the failures of ranks that report within a second."""
+        errors = [payload if payload.startswith("ranks [") else f"rank {rank}:\n{payload}"]
+        deadline = time.monotonic() + 1.0
+        while waiting and time.monotonic() < deadline:
+            for handle in wait_for(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+                other = waiting.pop(handle)
+                try:
+                    ok, payload, _ = handle.recv()
+                except EOFError:
+                    continue
+                if not ok:
+                    errors.append(f"rank {other}:\n{payload}")
+        return "\n".join(errors)
 
     def close(self, graceful: bool) -> None:
         if graceful:
@@ -375,7 +395,6 @@ class _Baseline:
 
     def __init__(self, world) -> None:
         self.world = world
-        self.seed = torch.initial_seed()
         self.dtype = torch.get_default_dtype()
 
 
@@ -398,7 +417,7 @@ class _Task:
             for key, value in vars(mod).items()
             if isinstance(value, set)
         }
-        torch.manual_seed(start.seed)  # as every fresh process starts
+        torch.seed()  # a fresh process starts from a random seed of its own
 
     def restore(self) -> list[str]:
         unclean: list[str] = []
