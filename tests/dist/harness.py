@@ -48,6 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# The sharding strategies every parity-style test runs, and the world sizes it runs them at.
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
+WORLD_SIZES = (1, 2, 3)
+MULTI_RANK_WORLD_SIZES = (2, 3)  # for what one rank cannot show (traffic, sharding)
+
 RANK_TIMEOUT_S = 120.0  # generous for 2 loaded CPU cores; a hang fails instead of blocking CI
 
 # Set for one test by the ``fresh_ranks`` marker (tests/conftest.py).
