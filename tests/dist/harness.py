@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for
@@ -54,6 +55,7 @@ WORLD_SIZES = (1, 2, 3)
 MULTI_RANK_WORLD_SIZES = (2, 3)  # for what one rank cannot show (traffic, sharding)
 
 RANK_TIMEOUT_S = 120.0  # generous for 2 loaded CPU cores; a hang fails instead of blocking CI
+DEATH_GRACE_S = 10.0  # after a rank dies, how long the others may take to report why they fail
 
 # Set for one test by the ``fresh_ranks`` marker (tests/conftest.py).
 FRESH_RANKS = os.environ.get("SHARDWRAP_FRESH_RANKS", "") not in ("", "0")
@@ -127,6 +129,7 @@ def _collect(procs, queue, results: dict[int, Any], errors: list[str]) -> None:
             ]
             if dead:
                 errors.append(f"ranks {dead} exited with codes {[procs[i].exitcode for i in dead]}")
+                _reports_after_death(procs, queue, results, errors)
                 return
             if time.monotonic() > deadline:
                 errors.append(f"ranks did not finish within {RANK_TIMEOUT_S}s (hang?)")
@@ -136,6 +139,25 @@ def _collect(procs, queue, results: dict[int, Any], errors: list[str]) -> None:
             errors.append(f"rank {rank}:\n{payload}")
             return
         results[rank] = payload
+
+
+def _reports_after_death(procs, queue, results: dict[int, Any], errors: list[str]) -> None:
+    """The other ranks' reports, for up to :data:`DEATH_GRACE_S`: a loaded machine can take
+    seconds to let a rank learn of its peer's death, and that is what a test reads."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while time.monotonic() < deadline:
+        running = [i for i, p in enumerate(procs) if p.exitcode is None and i not in results]
+        if not running:
+            return
+        try:
+            rank, ok, payload = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            continue
+        if ok:
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+            return
 
 
 def _run_fresh(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
@@ -254,9 +276,11 @@ class _Pool:
         return [results[r] for r in range(self.world_size)], dirty
 
     def _errors_with(self, rank: int, payload: str, waiting: dict) -> str:
-        """The first failure, with the failures of ranks that report within a second."""
-        errors = [payload if payload.startswith("ranks [") else f"rank {rank}:\n{payload}"]
-        deadline = time.monotonic() + 1.0
+        """The first failure, with the failures of ranks that report soon after (within a
+        second, or :data:`DEATH_GRACE_S` after a death)."""
+        died = payload.startswith("ranks [")
+        errors = [payload if died else f"rank {rank}:\n{payload}"]
+        deadline = time.monotonic() + (DEATH_GRACE_S if died else 1.0)
         while waiting and time.monotonic() < deadline:
             for handle in wait_for(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
                 other = waiting.pop(handle)
@@ -371,14 +395,36 @@ def _check_in_step(world, done: int, world_size: int) -> list[str]:
     return []
 
 
-def _settings_of(name: str) -> bool:
-    return name.startswith(("shardwrap", "tests")) and name != __name__
-
-
 def _is_setting(name: str, value: Any) -> bool:
     """Module-level upper-case names holding plain values: settings a test may override."""
     bare = name.lstrip("_")
     return bool(bare) and bare.isupper() and isinstance(value, (bool, int, float, str, type(None)))
+
+
+def _bindings() -> list[tuple[Any, dict[str, Any]]]:
+    """Names a test may rebind to patch behaviour, with their values now: settings of
+    shardwrap and test modules; functions and classes of shardwrap (``checkpoint.write_stream``);
+    torch.distributed's functions and ProcessGroup's methods (a collective counter, a stand-in
+    ``init_process_group``). Lazily rebound private state (``posting._executor``) is not one."""
+    found = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name == __name__:
+            continue
+        if name == "shardwrap" or name.startswith("shardwrap."):
+            keep = {
+                k: v
+                for k, v in vars(mod).items()
+                if _is_setting(k, v) or isinstance(v, (types.FunctionType, type))
+            }
+        elif name == "tests" or name.startswith("tests."):
+            keep = {k: v for k, v in vars(mod).items() if _is_setting(k, v)}
+        elif name in ("torch.distributed", "torch.distributed.distributed_c10d"):
+            keep = {k: v for k, v in vars(mod).items() if callable(v)}
+        else:
+            continue
+        found.append((mod, keep))
+    found.append((dist.ProcessGroup, dict(vars(dist.ProcessGroup))))
+    return found
 
 
 def _global_hooks() -> dict[str, dict]:
@@ -409,11 +455,7 @@ class _Task:
     def __init__(self, start: _Baseline) -> None:
         self.start = start
         self.environ = dict(os.environ)
-        self.settings = {
-            name: {k: v for k, v in vars(mod).items() if _is_setting(k, v)}
-            for name, mod in list(sys.modules.items())
-            if _settings_of(name) and mod is not None
-        }
+        self.bindings = _bindings()
         self.hooks = {name: set(hooks) for name, hooks in _global_hooks().items()}
         self.threads = set(threading.enumerate())
         self.sets = {
@@ -429,11 +471,11 @@ class _Task:
         if os.environ != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)
-        for name, settings in self.settings.items():
-            mod = sys.modules.get(name)
-            for key, value in settings.items():
-                if mod is not None and getattr(mod, key, value) is not value:
-                    setattr(mod, key, value)
+        for owner, bound in self.bindings:
+            now = vars(owner)
+            for key, value in bound.items():
+                if now.get(key, value) is not value:
+                    setattr(owner, key, value)
         torch.set_num_threads(1)
         torch.set_default_dtype(self.start.dtype)
         torch.set_grad_enabled(True)
@@ -458,7 +500,7 @@ class _Task:
         unclean += [
             f"thread {t.name!r} left running"
             for t in threading.enumerate()
-            if t not in self.threads and t.is_alive() and not t.name.startswith("shardwrap-post")
+            if t not in self.threads and t.is_alive() and t.name not in _BENIGN_THREADS
         ]
         return unclean
 
@@ -495,6 +537,10 @@ class _Task:
                     unclean.append(f"{name}.{key} grew to {len(value)} entries")
         return unclean
 
+
+# Idle threads a library starts once per process: shardwrap's posting helper, tqdm's
+# monitor (transformers' downloads and loading bars).
+_BENIGN_THREADS = ("shardwrap-post_0", "tqdm_monitor")
 
 _WEAK_REGISTRIES = (weakref.WeakSet, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
 

@@ -11,7 +11,6 @@ from tests.dist.ckpt_workers import assemble, crash_phase, load_outcomes, phase
 from tests.dist.harness import run_ranks
 
 
-@pytest.mark.fresh_ranks  # a rank is killed
 def test_killed_rank_leaves_previous_checkpoint_loadable(tmp_path):
     previous = str(tmp_path / "step2")
     partial = str(tmp_path / "step4")
@@ -21,7 +20,7 @@ def test_killed_rank_leaves_previous_checkpoint_loadable(tmp_path):
     # Into a new folder, and over the previous checkpoint's own folder.
     for target in (partial, previous):
         with pytest.raises(AssertionError) as failure:
-            run_ranks(crash_phase, 2, previous, target, snapshot)
+            run_ranks(crash_phase, 2, previous, target, snapshot, fresh=True)  # kills rank 1
         # Rank 0 learns of the death inside save_checkpoint's agreement, and gives up.
         assert "in save_checkpoint" in str(failure.value), str(failure.value)[-2000:]
 

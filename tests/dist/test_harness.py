@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import pytest
 import torch
@@ -13,8 +14,11 @@ from tests.dist import harness
 from tests.dist.harness import run_ranks
 
 
-def _pid(rank: int, world_size: int) -> int:
-    return os.getpid()
+_PROCESS = uuid.uuid4().hex  # made anew in every process that imports this module
+
+
+def _pid(rank: int, world_size: int) -> str:
+    return f"{os.getpid()}-{_PROCESS}"
 
 
 def _fail_on_rank_1(rank: int, world_size: int) -> None:
@@ -35,6 +39,11 @@ def _dirty(rank: int, world_size: int) -> None:
     torch.manual_seed(1234)
     dist.new_group([0, 1])
 
+    def patched(*args, **kwargs):
+        raise AssertionError("a patch from an earlier test")
+
+    dist.all_reduce = patched
+
 
 def _state(rank: int, world_size: int) -> dict:
     return {
@@ -44,6 +53,7 @@ def _state(rank: int, world_size: int) -> dict:
         "threads": torch.get_num_threads(),
         "seeded_by_the_last_test": torch.initial_seed() == 1234,
         "groups": len(dist.distributed_c10d._world.pg_map),
+        "all_reduce": dist.all_reduce.__name__,
     }
 
 
