@@ -30,10 +30,12 @@ as before the pool. ``SHARDWRAP_FRESH_RANKS=1`` does that for every test.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import os
 import queue as queue_module
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -102,7 +104,8 @@ def shutdown_pools() -> None:
 # --------------------------------------------------------------------------- fresh ranks
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn, args, queue) -> None:
+def _entry(rank: int, world_size: int, init_file: str, fn, args, queue, parent_pid: int) -> None:
+    _watch_parent(parent_pid)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -166,7 +169,9 @@ def _run_fresh(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, queue))
+            ctx.Process(
+                target=_entry, args=(r, world_size, init_file, fn, args, queue, os.getpid())
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -328,14 +333,25 @@ def _register_atexit() -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit when pytest is gone (killed, or interrupted before it could end the pool)."""
+    """End with pytest (killed, or interrupted before it could end its ranks): the kernel
+    sends SIGKILL when the parent goes (Linux), else a thread watches for it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
 
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os._exit(3)
+
+        threading.Thread(target=watch, name="shardwrap-parent-watch", daemon=True).start()
+    if os.getppid() != parent_pid:  # it went before the signal was asked for
         os._exit(3)
 
-    threading.Thread(target=watch, name="shardwrap-parent-watch", daemon=True).start()
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _serve(rank: int, world_size: int, init_file: str, conn, parent_pid: int) -> None:
