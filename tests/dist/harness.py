@@ -12,14 +12,17 @@ pool is killed, and the next test of that world size gets a new one: no test run
 ranks that may be in the middle of a failed test's collective.
 
 Between tests each rank puts back what a fresh process would have (see ``_Task``):
-environment variables, torch's default generator seeded anew (randomly), one intra-op
-thread, default dtype, grad mode, upper-case module settings of ``shardwrap`` and the test
-modules, global optimizer and module hooks, process groups other than the world's. Then
-it collects garbage and checks that shardwrap's module-level weak registries (wrapped
-modules, live runtimes, groups to release at exit, ...) are empty, that the world group is
-the one it started with, and that every rank agrees on how many tests it ran. A rank it
-cannot put back reports so, and the pool is replaced after that test (the test itself
-still passes). ``pytest -rA`` or the terminal summary lists those replacements.
+environment variables; a new random seed for torch's default generator; one intra-op
+thread, the default dtype, grad mode; rebound names (settings, functions and classes of
+shardwrap, upper-case settings of test modules, torch.distributed's functions and
+ProcessGroup's methods); global optimizer and module hooks made for one model; process
+groups other than the world's; and shardwrap's module-level weak registries, which it
+empties (``wrap._MANAGED`` maps each unit to its module, so without that every wrapped
+model stays alive, optimizer hooks included, until the process ends). Then it checks
+that no registry filled again, that no new thread runs, that the world group is the one
+it started with, and that every rank ran as many tests. A rank that is not clean says so,
+and the pool is replaced after that test (which still passes); the terminal summary
+lists every replacement.
 
 A test that needs processes of its own (it checks process exit or a killed rank, runs its
 own ``init_process_group``, reads environment variables at import, ...) says so with
