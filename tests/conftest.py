@@ -12,6 +12,45 @@ import torch.distributed as dist
 # accelerator or compile ops on this CPU machine; spawned ranks inherit the setting.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from tests.dist import harness
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "fresh_ranks: run_ranks spawns new rank processes for this test instead of using the "
+        "session's pool (see [Note: pooled ranks] in tests/dist/harness.py)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ranks_when_marked(request):
+    """``@pytest.mark.fresh_ranks``: every run_ranks call of the test spawns new ranks."""
+    if request.node.get_closest_marker("fresh_ranks") is None:
+        yield
+        return
+    previous, harness.FRESH_RANKS = harness.FRESH_RANKS, True
+    try:
+        yield
+    finally:
+        harness.FRESH_RANKS = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _rank_pools():
+    """Pooled ranks live for the session; they end with it (atexit covers an interrupt)."""
+    yield
+    harness.shutdown_pools()
+
+
+def pytest_terminal_summary(terminalreporter):
+    replaced = [e for e in harness.POOL_EVENTS if "started" not in e]
+    if harness.POOL_EVENTS:
+        started = len(harness.POOL_EVENTS) - len(replaced)
+        terminalreporter.write_line(f"rank pools: {started} started, {len(replaced)} replaced")
+        for event in replaced:
+            terminalreporter.write_line(f"  {event}")
+
 
 @pytest.fixture
 def one_rank():

@@ -1,23 +1,114 @@
-"""Spawn ranks on CPU with gloo and collect each rank's result (or its traceback)."""
+"""Run a function on CPU gloo ranks and collect each rank's result (or its traceback).
+
+[Note: pooled ranks]
+Spawning ranks costs seconds per test (each imports torch and shardwrap, then meets the
+others), and that dominated the suite's time on 2 cores. So by default ``run_ranks`` runs
+``fn`` on a pool of rank processes kept per world size for the whole pytest session:
+started lazily, staying in their gloo process group, running one function after another.
+
+For the caller it behaves as spawning did: results by rank; a rank's traceback, a rank
+that dies, or a hang past :data:`RANK_TIMEOUT_S` fails the test. After any failure that
+pool is killed, and the next test of that world size gets a new one: no test runs on
+ranks that may be in the middle of a failed test's collective.
+
+Between tests each rank puts back what a fresh process would have (see ``_Task``):
+environment variables; a new random seed for torch's default generator; one intra-op
+thread, the default dtype, grad mode; rebound names (settings, functions and classes of
+shardwrap, upper-case settings of test modules, torch.distributed's functions and
+ProcessGroup's methods); global optimizer and module hooks made for one model; process
+groups other than the world's; and shardwrap's module-level weak registries, which it
+empties (``wrap._MANAGED`` maps each unit to its module, so without that every wrapped
+model stays alive, optimizer hooks included, until the process ends). Then it checks
+that no registry filled again, that no new thread runs, that the world group is the one
+it started with, and that every rank ran as many tests. A rank that is not clean says so,
+and the pool is replaced after that test (which still passes); the terminal summary
+lists every replacement.
+
+A test that needs processes of its own (it checks process exit or a killed rank, runs its
+own ``init_process_group``, reads environment variables at import, ...) says so with
+``@pytest.mark.fresh_ranks`` or ``run_ranks(..., fresh=True)`` and gets new processes,
+as before the pool. ``SHARDWRAP_FRESH_RANKS=1`` does that for every test.
+"""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import gc
 import os
 import queue as queue_module
+import shutil
+import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
+import types
+import weakref
 from collections.abc import Callable
+from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# The sharding strategies every parity-style test runs, and the world sizes it runs them at.
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
+WORLD_SIZES = (1, 2, 3)
+MULTI_RANK_WORLD_SIZES = (2, 3)  # for what one rank cannot show (traffic, sharding)
+
 RANK_TIMEOUT_S = 120.0  # generous for 2 loaded CPU cores; a hang fails instead of blocking CI
+DEATH_GRACE_S = 10.0  # after a rank dies, how long the others may take to report why they fail
+
+# Set for one test by the ``fresh_ranks`` marker (tests/conftest.py).
+FRESH_RANKS = os.environ.get("SHARDWRAP_FRESH_RANKS", "") not in ("", "0")
+
+# What happened to the pools this session, for the terminal summary.
+POOL_EVENTS: list[str] = []
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn, args, queue) -> None:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, fresh: bool = False
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank.
+
+    ``fresh``: on newly spawned processes instead of the session's pool ([Note: pooled
+    ranks]).
+    """
+    if fresh or FRESH_RANKS:
+        return _run_fresh(fn, world_size, *args)
+    pool = _POOLS.get(world_size)
+    if pool is not None and not pool.alive():
+        POOL_EVENTS.append(f"world {world_size}: a rank had died between tests; replaced")
+        _drop_pool(world_size)
+        pool = None
+    if pool is None:
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        results, dirty = pool.run(fn, args)
+    except BaseException:
+        POOL_EVENTS.append(f"world {world_size}: replaced after {_fn_name(fn)} failed")
+        _drop_pool(world_size)
+        raise
+    if dirty:
+        POOL_EVENTS.append(f"world {world_size}: replaced after {_fn_name(fn)}: {dirty}")
+        _drop_pool(world_size, graceful=True)
+    return results
+
+
+def shutdown_pools() -> None:
+    """End every pooled rank (at the end of the session; also registered with atexit)."""
+    for world_size in list(_POOLS):
+        _drop_pool(world_size, graceful=True)
+
+
+# --------------------------------------------------------------------------- fresh ranks
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn, args, queue, parent_pid: int) -> None:
+    _watch_parent(parent_pid)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -39,9 +130,12 @@ def _collect(procs, queue, results: dict[int, Any], errors: list[str]) -> None:
         try:
             rank, ok, payload = queue.get(timeout=1.0)
         except queue_module.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+            dead = [
+                i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results
+            ]
             if dead:
                 errors.append(f"ranks {dead} exited with codes {[procs[i].exitcode for i in dead]}")
+                _reports_after_death(procs, queue, results, errors)
                 return
             if time.monotonic() > deadline:
                 errors.append(f"ranks did not finish within {RANK_TIMEOUT_S}s (hang?)")
@@ -53,14 +147,34 @@ def _collect(procs, queue, results: dict[int, Any], errors: list[str]) -> None:
         results[rank] = payload
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank."""
+def _reports_after_death(procs, queue, results: dict[int, Any], errors: list[str]) -> None:
+    """The other ranks' reports, for up to :data:`DEATH_GRACE_S`: a loaded machine can take
+    seconds to let a rank learn of its peer's death, and that is what a test reads."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while time.monotonic() < deadline:
+        running = [i for i, p in enumerate(procs) if p.exitcode is None and i not in results]
+        if not running:
+            return
+        try:
+            rank, ok, payload = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            continue
+        if ok:
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+            return
+
+
+def _run_fresh(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, queue))
+            ctx.Process(
+                target=_entry, args=(r, world_size, init_file, fn, args, queue, os.getpid())
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -82,3 +196,377 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------- the pool
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _drop_pool(world_size: int, graceful: bool = False) -> None:
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.close(graceful)
+
+
+class _Pool:
+    """``world_size`` rank processes in one gloo group, each serving tasks over a pipe."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tmp = tempfile.mkdtemp(prefix=f"shardwrap-ranks{world_size}-")
+        init_file = os.path.join(self.tmp, "rendezvous")
+        self.conns = []
+        self.procs = []
+        for rank in range(world_size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_serve,
+                args=(rank, world_size, init_file, theirs, os.getpid()),
+                name=f"shardwrap-rank{rank}-of-{world_size}",
+            )
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+        POOL_EVENTS.append(f"world {world_size}: started")
+        _register_atexit()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable[..., Any], args: tuple) -> tuple[list[Any], list[str]]:
+        # One pickling per rank: a tensor argument is shared through a file descriptor that
+        # each pickled copy hands over once.
+        for conn in self.conns:
+            conn.send((fn, args))
+        results: dict[int, Any] = {}
+        dirty: list[str] = []
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        while waiting:
+            # A rank that reported may end (when it left its state unclean): only the
+            # ranks still running are watched for death.
+            sentinels = {self.procs[rank].sentinel: rank for rank in waiting.values()}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"ranks {sorted(waiting.values())} did not finish within "
+                    f"{RANK_TIMEOUT_S}s (hang?)"
+                )
+            ready = wait_for([*waiting, *sentinels], timeout=min(left, 5.0))
+            for handle in ready:
+                if handle in waiting:
+                    rank = waiting.pop(handle)
+                    try:
+                        ok, payload, unclean = handle.recv()
+                    except EOFError:
+                        ok, payload, unclean = False, "the rank's pipe closed (it died)", []
+                    if not ok:
+                        raise AssertionError(self._errors_with(rank, payload, waiting))
+                    results[rank] = payload
+                    dirty += [f"rank {rank}: {reason}" for reason in unclean]
+            for handle in ready:
+                rank = sentinels.get(handle, -1)
+                if rank >= 0 and self.conns[rank] in waiting:
+                    if self.conns[rank].poll():
+                        continue  # its report came with its end; read it first
+                    self.procs[rank].join(timeout=1.0)
+                    code = self.procs[rank].exitcode
+                    error = f"ranks [{rank}] exited with codes [{code}]"
+                    del waiting[self.conns[rank]]
+                    raise AssertionError(self._errors_with(rank, error, waiting))
+        return [results[r] for r in range(self.world_size)], dirty
+
+    def _errors_with(self, rank: int, payload: str, waiting: dict) -> str:
+        """The first failure, with the failures of ranks that report soon after (within a
+        second, or :data:`DEATH_GRACE_S` after a death)."""
+        died = payload.startswith("ranks [")
+        errors = [payload if died else f"rank {rank}:\n{payload}"]
+        deadline = time.monotonic() + (DEATH_GRACE_S if died else 1.0)
+        while waiting and time.monotonic() < deadline:
+            for handle in wait_for(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+                other = waiting.pop(handle)
+                try:
+                    ok, payload, _ = handle.recv()
+                except EOFError:
+                    continue
+                if not ok:
+                    errors.append(f"rank {other}:\n{payload}")
+        return "\n".join(errors)
+
+    def close(self, graceful: bool) -> None:
+        if graceful:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 10.0
+            for p in self.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5.0)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_atexit_registered = False
+
+
+def _register_atexit() -> None:
+    # Registered after multiprocessing's own exit handler, so it runs first: that one joins
+    # non-daemonic children, which pooled ranks would never be without this.
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(shutdown_pools)
+        _atexit_registered = True
+
+
+# --------------------------------------------------------------------- in a pooled rank
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End with pytest (killed, or interrupted before it could end its ranks): the kernel
+    sends SIGKILL when the parent goes (Linux), else a thread watches for it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os._exit(3)
+
+        threading.Thread(target=watch, name="shardwrap-parent-watch", daemon=True).start()
+    if os.getppid() != parent_pid:  # it went before the signal was asked for
+        os._exit(3)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _serve(rank: int, world_size: int, init_file: str, conn, parent_pid: int) -> None:
+    _watch_parent(parent_pid)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    world = dist.group.WORLD
+    start = _Baseline(world)
+    done = 0
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            break
+        except BaseException:  # noqa: BLE001 - e.g. the function's module fails to import
+            conn.send((False, traceback.format_exc(), []))
+            continue
+        if task is None:
+            break
+        fn, args = task
+        before = _Task(start)
+        try:
+            result = fn(rank, world_size, *args)
+        except BaseException:  # noqa: BLE001 - report every failure; the pool is replaced
+            conn.send((False, traceback.format_exc(), []))
+            del fn, args, task
+            continue
+        del fn, args, task
+        done += 1
+        unclean = before.restore()
+        try:
+            unclean += _check_in_step(world, done, world_size)
+        except Exception as exc:  # noqa: BLE001
+            unclean.append(f"the world group does not work any more: {exc}")
+        try:
+            conn.send((True, result, unclean))
+        except Exception:  # noqa: BLE001 - e.g. a result that does not pickle
+            conn.send((False, traceback.format_exc(), []))
+        del result
+        if unclean:
+            break  # the parent replaces this pool
+    # No interpreter finalization: its aborts are test_exit's subject, not a pool's concern.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _check_in_step(world, done: int, world_size: int) -> list[str]:
+    if not dist.is_initialized() or dist.group.WORLD is not world:
+        return ["the default process group was destroyed or replaced"]
+    count = torch.tensor([done], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    if int(count) != done:
+        return [f"the ranks ran different numbers of tests ({int(count)} != {done})"]
+    return []
+
+
+def _is_setting(name: str, value: Any) -> bool:
+    """Module-level upper-case names holding plain values: settings a test may override."""
+    bare = name.lstrip("_")
+    return bool(bare) and bare.isupper() and isinstance(value, (bool, int, float, str, type(None)))
+
+
+def _bindings() -> list[tuple[Any, dict[str, Any]]]:
+    """Names a test may rebind to patch behaviour, with their values now: settings of
+    shardwrap and test modules; functions and classes of shardwrap (``checkpoint.write_stream``);
+    torch.distributed's functions and ProcessGroup's methods (a collective counter, a stand-in
+    ``init_process_group``). Lazily rebound private state (``posting._executor``) is not one."""
+    found = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name == __name__:
+            continue
+        if name == "shardwrap" or name.startswith("shardwrap."):
+            keep = {
+                k: v
+                for k, v in vars(mod).items()
+                if _is_setting(k, v) or isinstance(v, (types.FunctionType, type))
+            }
+        elif name == "tests" or name.startswith("tests."):
+            keep = {k: v for k, v in vars(mod).items() if _is_setting(k, v)}
+        elif name in ("torch.distributed", "torch.distributed.distributed_c10d"):
+            keep = {k: v for k, v in vars(mod).items() if callable(v)}
+        else:
+            continue
+        found.append((mod, keep))
+    found.append((dist.ProcessGroup, dict(vars(dist.ProcessGroup))))
+    return found
+
+
+def _global_hooks() -> dict[str, dict]:
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim_module
+
+    hooks = {
+        name: getattr(optim_module, name)
+        for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    }
+    for name, value in vars(nn_module).items():
+        if name.startswith("_global_") and name.endswith("hooks") and isinstance(value, dict):
+            hooks[name] = value
+    return hooks
+
+
+class _Baseline:
+    """What a pooled rank looks like right after start-up."""
+
+    def __init__(self, world) -> None:
+        self.world = world
+        self.dtype = torch.get_default_dtype()
+
+
+class _Task:
+    """A rank's state before a test; ``restore`` puts it back after, listing what it can't."""
+
+    def __init__(self, start: _Baseline) -> None:
+        self.start = start
+        self.environ = dict(os.environ)
+        self.bindings = _bindings()
+        self.hooks = {name: set(hooks) for name, hooks in _global_hooks().items()}
+        self.threads = set(threading.enumerate())
+        self.sets = {
+            (name, key): len(value)
+            for name, mod in _shardwrap_modules()
+            for key, value in vars(mod).items()
+            if isinstance(value, set)
+        }
+        torch.seed()  # a fresh process starts from a random seed of its own
+
+    def restore(self) -> list[str]:
+        unclean: list[str] = []
+        if os.environ != self.environ:
+            os.environ.clear()
+            os.environ.update(self.environ)
+        for owner, bound in self.bindings:
+            now = vars(owner)
+            for key, value in bound.items():
+                if now.get(key, value) is not value:
+                    setattr(owner, key, value)
+        torch.set_num_threads(1)
+        torch.set_default_dtype(self.start.dtype)
+        torch.set_grad_enabled(True)
+        if torch.is_anomaly_enabled():
+            torch.autograd.set_detect_anomaly(False)
+        if torch.are_deterministic_algorithms_enabled():
+            torch.use_deterministic_algorithms(False)
+        if torch.is_inference_mode_enabled():
+            unclean.append("inference mode left on")
+        if torch.is_autocast_enabled("cpu"):
+            unclean.append("autocast left on")
+        self._clear_registries()
+        unclean += self._release_groups()
+        gc.collect()
+        for name, hooks in _global_hooks().items():
+            for key in set(hooks) - self.hooks[name]:
+                # A closure (a runtime's or an offload's) is for one model; a module-level
+                # function is installed once per process (optimizer_guard's) and stays.
+                if "<locals>" in getattr(hooks[key], "__qualname__", "<locals>"):
+                    del hooks[key]
+        unclean += self._check_registries()
+        unclean += [
+            f"thread {t.name!r} left running"
+            for t in threading.enumerate()
+            if t not in self.threads and t.is_alive() and t.name not in _BENIGN_THREADS
+        ]
+        return unclean
+
+    def _release_groups(self) -> list[str]:
+        if not dist.is_initialized():
+            return []
+        world = self.start.world
+        others = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not world]
+        for group in others:
+            try:
+                dist.destroy_process_group(group)
+            except Exception as exc:  # noqa: BLE001
+                return [f"could not destroy a process group: {exc}"]
+        return []
+
+    def _clear_registries(self) -> None:
+        """Empty shardwrap's module-level weak registries (wrapped modules, live runtimes,
+        groups to release at exit, retired parameters, tag counters, ...), as a new process
+        would start them. Their entries are this test's: a registry whose value refers to its
+        key (``wrap._MANAGED``: unit -> module) keeps the test's models alive until exit,
+        with their optimizer hooks."""
+        for _, mod in _shardwrap_modules():
+            for value in list(vars(mod).values()):
+                if isinstance(value, _WEAK_REGISTRIES):
+                    value.clear()
+
+    def _check_registries(self) -> list[str]:
+        unclean = []
+        for name, mod in _shardwrap_modules():
+            for key, value in list(vars(mod).items()):
+                if isinstance(value, _WEAK_REGISTRIES) and len(value):
+                    unclean.append(f"{name}.{key} still holds {len(value)} entries")
+                elif isinstance(value, set) and len(value) > self.sets.get((name, key), 0):
+                    unclean.append(f"{name}.{key} grew to {len(value)} entries")
+        return unclean
+
+
+# Idle threads a library starts once per process: shardwrap's posting helper, tqdm's
+# monitor (transformers' downloads and loading bars).
+_BENIGN_THREADS = ("shardwrap-post_0", "tqdm_monitor")
+
+_WEAK_REGISTRIES = (weakref.WeakSet, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
+
+
+def _shardwrap_modules() -> list[tuple[str, Any]]:
+    return [
+        (name, mod)
+        for name, mod in list(sys.modules.items())
+        if mod is not None and (name == "shardwrap" or name.startswith("shardwrap."))
+    ]

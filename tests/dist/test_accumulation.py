@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
     Case,
     batch_for,
@@ -19,7 +19,6 @@ from tests.dist.parity import (
     wrap_case,
 )
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 NUM_MICRO_BATCHES = 2
 NUM_STEPS = 2
 GRAD_PURPOSES = ("grads", "grad_presence")
@@ -74,7 +73,7 @@ def accumulation_worker(rank: int, world_size: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_accumulation_matches_big_batch(world_size):
     results = run_ranks(accumulation_worker, world_size)
     for counts in results:

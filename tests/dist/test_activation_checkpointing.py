@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import checkpoint
 
 from tests import models
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
     Case,
     batch_for,
@@ -27,7 +27,6 @@ from tests.dist.parity import (
     wrap_case,
 )
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 MODES = (
     "none",
     "inner_reentrant",
@@ -111,7 +110,7 @@ EXPECTED_GATHERS = {
 }
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_activation_checkpointing_parity(world_size):
     results = run_ranks(checkpointing_worker, world_size)
     for (strategy, mode), gathers in results[0].items():

@@ -20,7 +20,7 @@ def test_killed_rank_leaves_previous_checkpoint_loadable(tmp_path):
     # Into a new folder, and over the previous checkpoint's own folder.
     for target in (partial, previous):
         with pytest.raises(AssertionError) as failure:
-            run_ranks(crash_phase, 2, previous, target, snapshot)
+            run_ranks(crash_phase, 2, previous, target, snapshot, fresh=True)  # kills rank 1
         # Rank 0 learns of the death inside save_checkpoint's agreement, and gives up.
         assert "in save_checkpoint" in str(failure.value), str(failure.value)[-2000:]
 

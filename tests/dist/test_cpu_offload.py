@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist import offload_cases
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, run_ranks
 
 
 def test_every_stage_and_bf16_match_training_without_offload() -> None:
@@ -22,6 +22,6 @@ def test_checkpoint_and_engine_offload(tmp_path) -> None:
     run_ranks(offload_cases.checkpoint_and_engine, 2, str(tmp_path / "ckpt"))
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_rank_is_bit_exact_with_the_reference(one_rank, strategy: str) -> None:
     offload_cases.offload_matches_plain(0, 1, strategy)

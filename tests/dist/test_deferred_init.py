@@ -12,10 +12,9 @@ from torch import nn
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import Case, batch_for, check_shards, loss_for, make_optimizer, wrap_case
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 DEPTH, HIDDEN = 8, 64  # eight Linear units of <= 64*64+64 parameters each
 
 
@@ -148,7 +147,7 @@ def deferred_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_deferred_init_unit_by_unit_and_sync(world_size):
     results = run_ranks(deferred_worker, world_size)
     for per_rank in results:

@@ -14,10 +14,9 @@ import torch
 import shardwrap
 from shardwrap import profile
 from tests.dist import parity
-from tests.dist.harness import run_ranks
+from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
 
 FROZEN = {"mlp": "body.0", "gpt": "blocks.0"}
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 # Frozen weights beside trainable ones in each block, as adapters are trained.
 MIXED = ("blocks.0.qkv", "blocks.0.fc", "blocks.1.qkv", "blocks.1.out")
 PARITY_CASES = [
@@ -154,7 +153,7 @@ def _mixed_worker(rank: int, world_size: int, strategy: str) -> dict:
     return {"sent": prof.bytes("reduce_scatter", "grads"), "expected": expected, "padded": padded}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", MULTI_RANK_WORLD_SIZES)
 def test_sharded_units_send_the_largest_ranks_trainable_part(world_size: int) -> None:
     for result in run_ranks(_mixed_worker, world_size, "FULL_SHARD"):
         assert result["sent"] == result["expected"], result

@@ -10,7 +10,7 @@ import torch
 import shardwrap
 from shardwrap.flat_param import ShardedState
 from tests import models
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
     Case,
     batch_for,
@@ -21,7 +21,6 @@ from tests.dist.parity import (
     wrap_case,
 )
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
 
@@ -161,7 +160,7 @@ def full_params_worker(rank: int, world_size: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_full_params_generate_and_eval(world_size):
     results = run_ranks(full_params_worker, world_size)
     for per_rank in results:

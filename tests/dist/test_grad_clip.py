@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
     Case,
     batch_for,
@@ -20,7 +20,6 @@ from tests.dist.parity import (
     wrap_case,
 )
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 NORM_TYPES = (2.0, 1.0, math.inf)
 # Small enough that every step clips (the model's gradient norms are ~1-10).
 MAX_NORM = 0.3
@@ -65,7 +64,7 @@ def clip_worker(rank: int, world_size: int) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_clip_grad_norm_matches_torch(world_size):
     results = run_ranks(clip_worker, world_size)
     assert all(r == results[0] for r in results), "ranks disagree on the norm"

@@ -10,7 +10,7 @@ import torch
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
 from shardwrap.runtime.step import reduce_deferred_grads_for
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
     batch_for,
     build_model,
@@ -21,7 +21,6 @@ from tests.dist.parity import (
 )
 from tests.dist.test_mixed_precision import LowPrecisionReference
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 FP16 = shardwrap.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
 # Starts high enough that the first steps overflow and the scale backs off (2**17, 2**16
 # overflow fp16's 65504 in the loss gradient), then grows every 2 clean steps.
@@ -93,7 +92,7 @@ def scaler_worker(rank: int, world_size: int) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_fp16_scaler_matches_torch_and_skips_together(world_size):
     results = run_ranks(scaler_worker, world_size)
     for per_rank in results:

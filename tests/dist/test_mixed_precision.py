@@ -11,7 +11,7 @@ from torch import nn
 
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
     Case,
     batch_for,
@@ -23,7 +23,6 @@ from tests.dist.parity import (
     wrap_case,
 )
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 NUM_STEPS = 3
 BF16 = shardwrap.MixedPrecision(
     param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
@@ -164,7 +163,7 @@ def bf16_worker(rank: int, world_size: int) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_bf16_matches_low_precision_reference(world_size):
     results = run_ranks(bf16_worker, world_size)
     sizes = results[0]["bytes"]

@@ -7,7 +7,7 @@ import torch
 
 import shardwrap
 from tests import models
-from tests.dist.harness import run_ranks
+from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
 from tests.dist.parity import Case, build_model, make_optimizer, train_and_compare, wrap_policy
 
 SCHEDULES = [
@@ -27,8 +27,8 @@ def _schedules_worker(rank: int, world_size: int, strategy: str) -> int:
     return len(SCHEDULES)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD"])
+@pytest.mark.parametrize("world_size", MULTI_RANK_WORLD_SIZES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_schedules_match_reference(strategy: str, world_size: int) -> None:
     assert run_ranks(_schedules_worker, world_size, strategy) == [len(SCHEDULES)] * world_size
 

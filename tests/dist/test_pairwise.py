@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from shardwrap.comm import posting
 from shardwrap.comm.collectives import CommLedger, Communicator
-from tests.dist.harness import run_ranks
+from tests.dist.harness import MULTI_RANK_WORLD_SIZES, run_ranks
 
 SHARD_NUMEL = 7
 
@@ -101,7 +101,7 @@ def _worker(rank: int, world_size: int) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", MULTI_RANK_WORLD_SIZES)
 def test_pairwise_collectives_match_torch(world_size: int) -> None:
     all_true = dict.fromkeys(["gathered", "in_place", "reduced", "reduced_again"], True)
     all_true["input_unchanged"] = True

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import Case, train_and_compare
-
-STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD"]
 
 
 def _cases_worker(rank: int, world_size: int, cases: list[Case]) -> list[list[float]]:
@@ -22,7 +20,7 @@ def _grid(strategy: str) -> list[Case]:
     ]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_training_matches_reference(strategy: str, world_size: int) -> None:
     losses = run_ranks(_cases_worker, world_size, _grid(strategy))

@@ -7,7 +7,7 @@ import torch
 
 import shardwrap
 from shardwrap.planner.estimate import STAGE_STRATEGIES, estimate_memory
-from tests.dist.harness import run_ranks
+from tests.dist.harness import MULTI_RANK_WORLD_SIZES, run_ranks
 from tests.dist.parity import batch_for, build_model, loss_for, make_optimizer, wrap_policy
 
 # The optimizer state's estimate leaves out per-parameter scalars (Adam's step counters: 4
@@ -116,7 +116,7 @@ def test_estimate_matches_bytes_held_on_one_rank(one_rank) -> None:
     _check(_planner_worker(0, 1))  # in process: one rank needs no spawn
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", MULTI_RANK_WORLD_SIZES)
 def test_estimate_matches_bytes_held(world_size: int) -> None:
     for rank_rows in run_ranks(_planner_worker, world_size):
         _check(rank_rows)

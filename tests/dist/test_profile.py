@@ -22,12 +22,11 @@ import torch
 
 from shardwrap import profile
 from tests.dist import parity
-from tests.dist.harness import run_ranks
+from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
 
 FP32_BYTES = 4
 INT32_BYTES = 4  # the presence vote sends one int32 flag per parameter
 ADAM_STEP_BYTES = 4  # torch AdamW (not capturable) keeps ``step`` as a float32 scalar
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 GATHERS_PER_STEP = {"FULL_SHARD": 2, "SHARD_GRAD_OP": 1, "SHARD_OPTIM": 1, "NO_SHARD": 0}
 
 
@@ -114,7 +113,7 @@ def _all_strategies(rank: int, world_size: int) -> dict[str, dict]:
     return {s: _one_strategy(rank, world_size, s) for s in STRATEGIES}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", MULTI_RANK_WORLD_SIZES)
 def test_profile_bytes_match_layout_theory(world_size: int) -> None:
     per_rank = run_ranks(_all_strategies, world_size)
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tests.dist.harness import run_ranks
+from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
     Case,
     build_model,
@@ -18,8 +18,6 @@ from tests.dist.parity import (
     wrap_case,
 )
 from tests.models import gpt_batch
-
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
 
 
 def _setup(strategy: str):
@@ -107,7 +105,7 @@ def robustness_worker(rank: int, world_size: int) -> dict:
     return messages
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_robustness(world_size):
     for messages in run_ranks(robustness_worker, world_size):
         for strategy, message in messages.items():

@@ -10,10 +10,8 @@ import torch.distributed as dist
 
 import shardwrap
 from tests import models
-from tests.dist.harness import run_ranks
+from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
 from tests.dist.parity import build_model, make_optimizer, wrap_policy
-
-STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD"]
 
 
 def _one_step(model, optim, rank: int, step: int, use_extra: bool = False) -> None:
@@ -52,7 +50,7 @@ EXPECTED_CALLS = {
 }
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", MULTI_RANK_WORLD_SIZES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_traffic_per_step_equals_theory(strategy: str, world_size: int) -> None:
     result = run_ranks(_traffic_worker, world_size, strategy)[0]

@@ -1,0 +1,101 @@
+"""The rank pool behind run_ranks: failures, hangs, and state that must not reach the next test."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import harness
+from tests.dist.harness import run_ranks
+
+
+_PROCESS = uuid.uuid4().hex  # made anew in every process that imports this module
+
+
+def _pid(rank: int, world_size: int) -> str:
+    return f"{os.getpid()}-{_PROCESS}"
+
+
+def _fail_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.barrier()  # rank 0 waits for a partner that never comes
+
+
+def _hang(rank: int, world_size: int) -> None:
+    time.sleep(3600)
+
+
+def _dirty(rank: int, world_size: int) -> None:
+    os.environ["SHARDWRAP_HARNESS_TEST"] = "1"
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(2)
+    torch.manual_seed(1234)
+    dist.new_group([0, 1])
+
+    def patched(*args, **kwargs):
+        raise AssertionError("a patch from an earlier test")
+
+    dist.all_reduce = patched
+
+
+def _state(rank: int, world_size: int) -> dict:
+    return {
+        "env": os.environ.get("SHARDWRAP_HARNESS_TEST"),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "threads": torch.get_num_threads(),
+        "seeded_by_the_last_test": torch.initial_seed() == 1234,
+        "groups": len(dist.distributed_c10d._world.pg_map),
+        "all_reduce": dist.all_reduce.__name__,
+    }
+
+
+def _destroy_world(rank: int, world_size: int) -> None:
+    dist.destroy_process_group()
+
+
+def test_ranks_are_reused_and_fresh_ones_are_not() -> None:
+    assert run_ranks(_pid, 2) == run_ranks(_pid, 2)
+    fresh = run_ranks(_pid, 2, fresh=True)
+    assert set(fresh).isdisjoint(run_ranks(_pid, 2))
+
+
+@pytest.mark.fresh_ranks
+def test_marker_spawns_fresh_ranks() -> None:
+    assert run_ranks(_pid, 2) != run_ranks(_pid, 2)
+
+
+def test_failure_surfaces_and_pool_is_replaced() -> None:
+    before = run_ranks(_pid, 2)
+    with pytest.raises(AssertionError, match="rank 1 gives up"):
+        run_ranks(_fail_on_rank_1, 2)
+    after = run_ranks(_pid, 2)
+    assert set(before).isdisjoint(after)
+
+
+def test_hang_times_out_and_pool_is_replaced(monkeypatch) -> None:
+    before = run_ranks(_pid, 2)
+    monkeypatch.setattr(harness, "RANK_TIMEOUT_S", 3.0)
+    with pytest.raises(AssertionError, match="did not finish within"):
+        run_ranks(_hang, 2)
+    monkeypatch.undo()
+    assert set(before).isdisjoint(run_ranks(_pid, 2))
+
+
+def test_state_does_not_leak_into_the_next_test() -> None:
+    clean = run_ranks(_state, 2)
+    run_ranks(_dirty, 2)
+    assert run_ranks(_state, 2) == clean
+
+
+def test_destroyed_world_group_means_new_ranks() -> None:
+    before = run_ranks(_pid, 2)
+    run_ranks(_destroy_world, 2)
+    assert set(before).isdisjoint(run_ranks(_pid, 2))
