@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..flat_param import FlatParamHandle
-from .optim_state import SHARDED, state_kind
+from .optim_state import SHARDED, state_kind, unit_state_shards
 from .slots import ModelSlots, ParamSlot
 
 SAVE_PURPOSE = "sharded_state_dict"
@@ -170,23 +170,8 @@ def sharded_optim_state(
 
 
 def _unit_optim_state(handle, unit_slots: list[ParamSlot], optim, slots: ModelSlots):
-    """Every rank holds state for the same parameters (the gradient presence vote)."""
-    dtypes: dict[str, torch.dtype] = {}
-    for slot in unit_slots:
-        for name, value in optim.state.get(slot.local, {}).items():
-            if state_kind(slot, name, value) == SHARDED:
-                dtypes.setdefault(name, value.dtype)
     result = {}
-    for name in sorted(dtypes):
-        local = torch.zeros(handle.layout.shard_numel, dtype=dtypes[name])
-        holders = []
-        for slot in unit_slots:
-            value = optim.state.get(slot.local, {}).get(name)
-            if value is None:
-                continue
-            holders.append(slot)
-            piece = handle.pieces[slot.index]
-            local[piece.shard_start : piece.shard_end] = value.detach().reshape(-1).cpu()
+    for name, local, holders in unit_state_shards(handle, unit_slots, optim):
         flat_full = _gather(handle, local, SAVE_PURPOSE)
         for slot in holders:
             info = handle.layout.params[slot.index]

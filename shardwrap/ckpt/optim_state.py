@@ -141,3 +141,34 @@ def build_load_dict(
 def local_view(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
     """A 1-D range of a parameter-shaped state, shaped like the local piece."""
     return flat.reshape(slot.local.shape)
+
+
+def unit_state_shards(
+    handle: Any, unit_slots: list[ParamSlot], optim: torch.optim.Optimizer
+) -> list[tuple[str, torch.Tensor, list[ParamSlot]]]:
+    """Each sharded optimizer state of one unit (``exp_avg``, ...), as this rank's shard laid
+    out like the unit's flat shard (zeros where no parameter has it), with the slots that
+    hold it. Every rank holds state for the same parameters (the gradient presence vote),
+    so the shards line up for a gather.
+    """
+    dtypes: dict[str, torch.dtype] = {}
+    for slot in unit_slots:
+        for name, value in optim.state.get(slot.local, {}).items():
+            if state_kind(slot, name, value) == SHARDED:
+                dtypes.setdefault(name, value.dtype)
+    result = []
+    for name in sorted(dtypes):
+        local = torch.zeros(handle.layout.shard_numel, dtype=dtypes[name])
+        holders = []
+        for slot in unit_slots:
+            value = optim.state.get(slot.local, {}).get(name)
+            if value is None:
+                continue
+            holders.append(slot)
+            if handle.num_shards == 1:
+                start = handle.layout.params[slot.index].offset
+            else:
+                start = handle.pieces[slot.index].shard_start
+            local[start : start + value.numel()] = value.detach().reshape(-1)
+        result.append((name, local, holders))
+    return result

@@ -27,7 +27,13 @@ from ..flat_param import FlatParamHandle
 from ..fsdp1_options import parse_state_dict_type
 from ..options import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from . import dtensor_state
-from .optim_state import SHARDED, build_load_dict, hyperparameters, optimizer_slots
+from .optim_state import (
+    SHARDED,
+    build_load_dict,
+    hyperparameters,
+    optimizer_slots,
+    unit_state_shards,
+)
 from .optim_state import state_kind as _state_kind
 from .slots import ModelSlots, ParamSlot, model_slots
 
@@ -261,28 +267,8 @@ def _gather_sharded_state(slots: ModelSlots, optim) -> dict[tuple[str, str], tor
 
 
 def _gather_unit_state(handle: FlatParamHandle, unit_slots: list[ParamSlot], optim):
-    """Every rank holds state for the same parameters (the gradient presence vote)."""
-    states: dict[str, torch.dtype] = {}
-    for slot in unit_slots:
-        for name, value in optim.state.get(slot.local, {}).items():
-            if _state_kind(slot, name, value) == SHARDED:
-                states.setdefault(name, value.dtype)
     result = {}
-    pieces = handle.pieces
-    for name in sorted(states):
-        local = torch.zeros(handle.layout.shard_numel, dtype=states[name])
-        holders = []
-        for slot in unit_slots:
-            value = optim.state.get(slot.local, {}).get(name)
-            if value is None:
-                continue
-            holders.append(slot)
-            if handle.num_shards == 1:
-                offset = handle.layout.params[slot.index].offset
-                local[offset : offset + slot.numel] = value.reshape(-1)
-            else:
-                piece = pieces[slot.index]
-                local[piece.shard_start : piece.shard_end] = value.reshape(-1)
+    for name, local, holders in unit_state_shards(handle, unit_slots, optim):
         flat_full = gather_flat(handle, local, "optim_state_dict")
         for slot in holders:
             info = handle.layout.params[slot.index]

@@ -251,14 +251,16 @@ class StepRuntime:
         self._step_hooks.append(register_optimizer_step_post_hook(after_step))
 
     def note_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer`` stepped: every handle whose shard views it holds has a stale
-        gathered copy ([Note: optimizer steps that bump no version] in ``flat_param.py``).
+        """``optimizer`` stepped: every handle with a shard view it held and stepped (one
+        with a gradient: torch's optimizers leave the others alone) has a stale gathered
+        copy ([Note: optimizer steps that bump no version] in ``flat_param.py``). Frozen
+        units are not gathered again for nothing.
         """
         stepped: dict[int, FlatParamHandle] = {}
         for group in optimizer.param_groups:
             for param in group["params"]:
                 handle = self._handle_of_shard.get(id(param))
-                if handle is not None:
+                if handle is not None and param.grad is not None:
                     stepped[id(handle)] = handle
         for handle in stepped.values():
             handle.note_shard_updated()

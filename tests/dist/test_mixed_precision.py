@@ -11,6 +11,7 @@ from torch import nn
 
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
+from tests import models
 from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
     Case,
@@ -140,7 +141,8 @@ def _step_bytes(world_size: int, rank: int, policy) -> dict:
     if policy is not None:
         sharded = shardwrap.ShardedModule(
             build_model("gpt"),
-            auto_wrap_policy=ModuleWrapPolicy({type(sharded.module.blocks[0])}),
+            # models.Block, not type(a wrapped block): that is its FSDP subclass
+            auto_wrap_policy=ModuleWrapPolicy({models.Block}),
             mixed_precision=policy,
         )
     sharded.comm_ledger.reset()
