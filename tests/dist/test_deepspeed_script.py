@@ -103,6 +103,8 @@ def _worker(rank: int, world_size: int, port: int, root: str) -> dict:
     return results
 
 
+# The script sets up its own process group from the launcher's variables: fresh ranks.
+@pytest.mark.fresh_ranks
 def test_deepspeed_script_runs_on_shardwrap_and_matches_deepspeed(tmp_path):
     for stage in STAGES:
         config = {**CONFIG, "zero_optimization": {"stage": stage}}
