@@ -50,6 +50,7 @@ from torch import nn
 from ..layout.flat import FlatLayout, padded_numel
 from ..layout.persistence import check_threshold
 from ..options import ShardingStrategy
+from .shards import worst_trainable_shard
 from .sizes import ModelSizes, model_sizes
 
 STAGE_STRATEGIES = {
@@ -220,20 +221,20 @@ def _zero3_peak(sizes: ModelSizes, prefetch: bool, e: _Bytes) -> tuple[int, int]
 
 
 def _shard_numels(sizes: ModelSizes, rank: int | None) -> tuple[int, int]:
-    """(shard elements, trainable elements in the shard) of ``rank`` (or the largest)."""
-    num_shards = max(u.layout.num_shards for u in sizes.units)
-    ranks = range(num_shards) if rank is None else [rank % num_shards]
+    """(shard elements, trainable elements in the shard) of ``rank`` (or the largest).
+
+    The largest without a loop over ranks: [Note: the worst rank in O(1) ranks].
+    """
     shard = sum(u.layout.shard_numel for u in sizes.units)
-    trainable = max(
-        sum(
-            piece.numel
-            for u in sizes.units
-            for info, piece in zip(
-                u.layout.params, u.layout.pieces(r % u.layout.num_shards), strict=True
-            )
-            if info.requires_grad
+    if rank is None:
+        return shard, worst_trainable_shard([u.layout for u in sizes.units])
+    trainable = sum(
+        piece.numel
+        for u in sizes.units
+        for info, piece in zip(
+            u.layout.params, u.layout.pieces(rank % u.layout.num_shards), strict=True
         )
-        for r in ranks
+        if info.requires_grad
     )
     return shard, trainable
 
