@@ -8,6 +8,16 @@ import torch
 
 from ..base.sizes import read_size
 from .estimate import OPTIMIZER_STATES, cheapest_fitting, estimate_memory, format_table
+from .shapes import assumed_shape
+
+ASSUMED_SHAPE_HELP = """\
+--params is taken as a standard decoder: 12 x hidden^2 parameters per layer, one wrapped
+unit per layer, the rest (embeddings, head) in the root unit; the assumption is printed.
+hidden: --hidden, else isqrt(P / (12 x --layers)), else the largest of the common shapes
+(GPT-3, LLaMA: 768/12 layers .. 8192/80, 12288/96) whose 12 L h^2 is at most P, above them
+128 * round(cbrt(32 P / 3) / 128). ZeRO-3 then gathers at most two layers (the one computing
+and the prefetched one, in the compute dtype), shown apart from the sharded model state
+(16 bytes per parameter / N for Adam)."""
 
 
 def parse_bytes(text: str) -> int:
@@ -44,7 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``estimate`` options."""
+    """The ``estimate`` options (and, after the description, what a count is assumed to be)."""
+    parser.description = f"{parser.description or ''}\n\n{ASSUMED_SHAPE_HELP}".strip()
     parser.add_argument("--params", type=parse_count, required=True, help="parameters, e.g. 7e9")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     parser.add_argument(
@@ -58,7 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--largest-unit-params",
         type=parse_count,
         default=None,
-        help="parameters of the largest wrapped unit (ZeRO-3 peak); default: the whole model",
+        help="parameters of the largest wrapped unit (ZeRO-3 peak); default: one decoder "
+        "layer, 12 x hidden^2",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (hidden = isqrt(P / (12 L)))"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="hidden size: a layer is 12 x hidden^2"
     )
     parser.add_argument("--budget", type=parse_bytes, default=None, help="device memory per rank")
 
@@ -67,13 +85,23 @@ def run(args: argparse.Namespace) -> int:
     """Print the table; with ``--budget``, the cheapest stage that fits. Returns an exit code."""
     if args.world_size < 1:
         raise SystemExit(f"--world-size: expected a positive number, got {args.world_size}")
+    largest = args.largest_unit_params
+    if largest is None:
+        try:
+            shape = assumed_shape(args.params, args.layers, args.hidden)
+        except ValueError as error:
+            raise SystemExit(f"--{error}") from None
+        largest = shape.layer_params
+        print(shape.describe() + "\n")
+    elif args.layers is not None or args.hidden is not None:
+        raise SystemExit("--largest-unit-params: give it or --layers/--hidden, not both")
     estimates = estimate_memory(
         args.params,
         world_size=args.world_size,
         compute_dtype=torch.bfloat16 if args.bf16 else None,
         optimizer=args.optimizer,
         offload=args.offload,
-        largest_unit_params=args.largest_unit_params,
+        largest_unit_params=largest,
     )
     print(format_table(estimates))
     if args.budget is None:

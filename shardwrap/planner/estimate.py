@@ -21,7 +21,16 @@ stays gathered while the units inside it run (the root unit all through forward 
 backward), so the ZeRO-3 peak is the largest sum of gathered sizes along one path of
 nested units, plus the unit that backward prefetch (``BACKWARD_PRE``, the default)
 gathers ahead: the largest unit off that path (for a parameter count, one more largest
-unit).
+unit: the units in flight are the one computing and the prefetched one). A parameter count
+is a decoder whose layers are its units ([Note: the assumed model shape]) unless
+``largest_unit_params`` names the largest unit.
+
+Against the ZeRO paper (mixed-precision Adam, ``Psi`` parameters, ``N`` ranks): stage 3's
+model state is ``16 Psi / N`` here too (fp32 master 4, fp32 gradient shard 4, Adam 8; fp32
+without mixed precision the same), plus the gathered units. Stages 1 and 2 hold
+``2 Psi + 16 Psi / N`` (paper: ``4 Psi + 12 Psi / N`` and ``2 Psi + 14 Psi / N``): the bf16
+working copy is whole, gradients are reduced to shards in backward at stage 1 too, and
+the gradient shard handed to the optimizer is in the master dtype (4 bytes, not 2).
 
 Not counted: activations, the transient full gradient of the unit being reduced (about
 two copies of that unit) and allocator slack. Gradients handed to the optimizer and the
@@ -99,6 +108,11 @@ class MemoryEstimate:
     def device_bytes(self) -> int:
         return self.bytes_at(Location.DEVICE)
 
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameter shards, gradients and optimizer state, wherever they are (16P/N at stage 3)."""
+        return sum(self.bytes(c) for c in ("parameters", "gradients", "optimizer_state"))
+
 
 def estimate_memory(
     model_or_num_params: nn.Module | int | float,
@@ -123,7 +137,8 @@ def estimate_memory(
     gradients), ``None`` for no mixed precision.
     ``model_or_num_params``: a module (its parameters are laid out exactly as
     ``ShardedModule`` would with ``auto_wrap_policy``; meta-device modules work) or a
-    parameter count (one unit unless ``largest_unit_params`` names the largest one).
+    parameter count (units of one decoder layer, :func:`~.shapes.assumed_shape`, unless
+    ``largest_unit_params`` names the largest one).
     Give ``strategy`` or ``stage`` for one estimate; give neither for stages 0-3 in order.
     ``backward_prefetch``: ``ShardedModule``'s default (``BACKWARD_PRE``) gathers the next
     unit while one computes (ZeRO-3 holds one unit more); False for ``None``/``BACKWARD_POST``.
@@ -313,13 +328,22 @@ def cheapest_fitting(
     return min(fitting, key=lambda e: e.stage) if fitting else None
 
 
+TABLE_ROWS = ("parameters", "gradients", "optimizer_state", None, "gathered_parameters", "buffers")
+MODEL_STATE_ROW = "= sharded model state"  # the row for None: the three above, summed
+
+
 def format_table(estimates: tuple[MemoryEstimate, ...]) -> str:
-    """A fixed-width table: one row per category, one column per stage, in GiB."""
+    """A fixed-width table in GiB: one column per stage; the sharded model state (parameter
+    shards, gradients, optimizer state) and the gathered units on separate rows."""
     header = f"{'per rank (GiB)':<22}" + "".join(
         f"{f'stage {e.stage} {e.strategy.name}':>24}" for e in estimates
     )
     lines = [header]
-    for category in CATEGORIES:
+    for category in TABLE_ROWS:
+        if category is None:
+            cells = [f"{_gib(e.model_state_bytes):>24}" for e in estimates]
+            lines.append(f"{MODEL_STATE_ROW:<22}" + "".join(cells))
+            continue
         cells = []
         for estimate in estimates:
             item = next(i for i in estimate.items if i.category == category)

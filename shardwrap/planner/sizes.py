@@ -1,7 +1,8 @@
 """The units a memory estimate counts: their flat layouts, as ``ShardedModule`` builds them.
 
 From a module (the same auto-wrap policy, ownership and layouts) or from a bare parameter
-count (the largest unit and the root holding the rest). Used by :mod:`.estimate`.
+count (the largest unit and the root holding the rest; by default the largest unit is one
+decoder layer, [Note: the assumed model shape]). Used by :mod:`.estimate`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..layout.partition import assign_params, collect_params
 from ..layout.persistence import is_persistent
 from ..options import ShardingStrategy
 from ..policies import as_policy, select_units
+from .shapes import assumed_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +76,12 @@ def count_sizes(
     """A parameter count as two units: the largest one and the root holding the rest.
 
     For ZeRO-3 the peak counts only the largest unit (a model whose root holds little).
+    Without ``largest_unit_params`` the largest unit is one layer of :func:`assumed_shape`.
     """
-    largest = num_params if largest_unit_params is None else int(largest_unit_params)
+    if largest_unit_params is None:
+        largest = assumed_shape(num_params).layer_params
+    else:
+        largest = int(largest_unit_params)
     if not 1 <= largest <= num_params:
         raise ValueError(f"largest_unit_params: expected 1..{num_params}, got {largest}")
     largest_layout = unit_layout([("largest_unit", (largest,), True)], num_shards, threshold)

@@ -21,7 +21,10 @@ def test_count_formulas_per_stage():
     assert by_stage[1].bytes("optimizer_state") == 2 * 4 * P // N
     assert by_stage[1].bytes("gradients") == 4 * P // N  # ZeRO-1 reduces in backward
     assert by_stage[2].bytes("gradients") == 4 * P // N
-    assert by_stage[3].bytes("gathered_parameters") == 4 * P  # one unit: the whole model
+    layer = 12 * 4096**2  # the assumed unit: one decoder layer of a 7e9 model
+    assert by_stage[3].bytes("gathered_parameters") == 2 * 4 * layer  # computing + prefetched
+    whole = estimate_memory(P, world_size=N, stage=3, largest_unit_params=P)
+    assert whole.bytes("gathered_parameters") == 4 * P  # one unit: the whole model
     small = estimate_memory(P, world_size=N, stage=3, largest_unit_params=200_000_000)
     assert small.bytes("gathered_parameters") == 2 * 4 * 200_000_000  # one more prefetched
     assert small.device_bytes == 4 * P // N * 4 + 2 * 4 * 200_000_000
