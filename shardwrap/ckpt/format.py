@@ -296,19 +296,12 @@ def parse_index(root: str, raw: Any) -> CheckpointIndex:
             f"checkpoint {root}: format version {raw.get('version')!r}, this shardwrap reads "
             f"version {FORMAT_VERSION}"
         )
-    files = {name: FileEntry.from_json(name, v) for name, v in raw.get("files", {}).items()}
+    files = {n: FileEntry.from_json(n, v) for n, v in _mapping(root, raw, "files").items()}
     for name in files:
         member_path(root, name)
-    params = {k: TensorEntry.from_json(k, v) for k, v in raw.get("params", {}).items()}
-    buffers = {k: TensorEntry.from_json(k, v) for k, v in raw.get("buffers", {}).items()}
-    optim = raw.get("optimizer")
-    optim_state = param_groups = None
-    if optim is not None:
-        optim_state = {
-            name: {k: _state_from_json(f"{name}/{k}", v) for k, v in states.items()}
-            for name, states in optim["state"].items()
-        }
-        param_groups = list(optim["param_groups"])
+    params = {k: TensorEntry.from_json(k, v) for k, v in _mapping(root, raw, "params").items()}
+    buffers = {k: TensorEntry.from_json(k, v) for k, v in _mapping(root, raw, "buffers").items()}
+    optim_state, param_groups = _parse_optimizer(root, raw.get("optimizer"))
     for entry in _all_entries(params, buffers, optim_state):
         for piece in entry.pieces:
             if piece.file not in files:
@@ -318,10 +311,46 @@ def parse_index(root: str, raw: Any) -> CheckpointIndex:
                 )
     meta_keys = ("save_id", "world_size", "num_shards", "strategy", "shardwrap_version")
     meta = {k: raw[k] for k in meta_keys if k in raw}
-    aliases = dict(raw.get("aliases", {}))
+    aliases = _mapping(root, raw, "aliases")
+    if not all(isinstance(v, str) for v in aliases.values()):
+        raise _bad(root, "'aliases' must map names to names")
     return CheckpointIndex(
         meta, params, aliases, buffers, optim_state, param_groups, files, raw.get("extra")
     )
+
+
+def _bad(root: str, text: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint index {os.path.join(root, INDEX_NAME)}: {text}")
+
+
+def _mapping(root: str, raw: dict, key: str, what: str | None = None) -> dict[str, Any]:
+    """``raw[key]`` (empty when absent), which the format says is a JSON object."""
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        kind = type(value).__name__
+        raise _bad(root, f"{what or repr(key)} must be a JSON object, not a {kind}")
+    return dict(value)
+
+
+def _parse_optimizer(root: str, optim: Any):
+    """``optimizer``: ``{"state": {param: {state: entry}}, "param_groups": [{...}]}``."""
+    if optim is None:
+        return None, None
+    if not isinstance(optim, dict) or "state" not in optim or "param_groups" not in optim:
+        raise _bad(root, "'optimizer' must be an object with 'state' and 'param_groups'")
+    optim_state = {}
+    for name in _mapping(root, optim, "state", "'optimizer.state'"):
+        states = _mapping(root, optim["state"], name, f"'optimizer.state.{name}'")
+        optim_state[name] = {k: _state_from_json(f"{name}/{k}", v) for k, v in states.items()}
+    groups = optim["param_groups"]
+    if not isinstance(groups, list):
+        kind = type(groups).__name__
+        raise _bad(root, f"'optimizer.param_groups' must be a JSON list, not a {kind}")
+    for i, group in enumerate(groups):
+        names = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise _bad(root, f"'optimizer.param_groups[{i}]' must be an object with 'params'")
+    return optim_state, list(groups)
 
 
 def _all_entries(params, buffers, optim_state):
@@ -348,12 +377,22 @@ def read_index(root: str) -> CheckpointIndex:
         raise CheckpointError(f"checkpoint {root}: no {INDEX_NAME} (not a shardwrap checkpoint)")
     with open(index_path, encoding="utf-8") as handle:
         try:
-            raw = json.load(handle)
+            raw = json.load(handle, object_pairs_hook=lambda pairs: _unique(index_path, pairs))
         except json.JSONDecodeError as exc:
             raise CheckpointError(
                 f"checkpoint {root}: {INDEX_NAME} is not valid JSON: {exc}"
             ) from exc
     return parse_index(root, raw)
+
+
+def _unique(path: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all distinct (``json`` silently keeps the last copy)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise CheckpointError(f"checkpoint index {path}: key {key!r} is given twice")
+        data[key] = value
+    return data
 
 
 def index_bytes(index: CheckpointIndex) -> bytes:
