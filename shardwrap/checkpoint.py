@@ -46,7 +46,9 @@ from .ckpt.optim_state import (
     SHARDED,
     VALUE,
     build_load_dict,
+    check_fits,
     hyperparameters,
+    optimizer_class_name,
     optimizer_slots,
     state_kind,
 )
@@ -186,6 +188,7 @@ def _commit_index(
             "save_id": save_id,
             "world_size": slots.world_comm.size,
             "strategy": _strategy_name(slots),
+            **({"optimizer_class": optimizer_class_name(optimizer)} if optimizer else {}),
         },
         params=params,
         aliases=dict(slots.aliases),
@@ -268,8 +271,11 @@ def load_checkpoint(
 
     def load() -> dict[str, Any]:
         index = read_index(root)
+        matched = _match_names(index, slots, strict)
+        if optimizer is not None:  # refuse a misfit before the model changes
+            _check_optimizer(index, slots, optimizer)
         with CheckpointReader(root, index) as reader:
-            _load_params(index, reader, slots, strict)
+            _load_params(index, reader, slots, matched)
             if optimizer is not None:
                 _load_optimizer(index, reader, slots, optimizer)
         result["extra"] = index.extra
@@ -281,9 +287,8 @@ def load_checkpoint(
 
 
 def _load_params(
-    index: CheckpointIndex, reader: CheckpointReader, slots: ModelSlots, strict: bool
+    index: CheckpointIndex, reader: CheckpointReader, slots: ModelSlots, matched: list
 ) -> None:
-    matched = _match_names(index, slots, strict)
     with torch.no_grad():
         for slot, saved_name in matched:
             entry = index.params[saved_name]
@@ -341,18 +346,25 @@ def _check_entry(name: str, entry: TensorEntry, shape: tuple[int, ...], dtype) -
         raise CheckpointError(f"parameter {name!r}: checkpoint dtype {saved_dtype}, model {dtype}")
 
 
+def _saved_groups(index: CheckpointIndex) -> list[dict[str, Any]]:
+    if index.optim_state is None or index.param_groups is None:
+        raise CheckpointError("the checkpoint holds no optimizer state (saved without optimizer)")
+    return [{**g, "params": [index.resolve(n) for n in g["params"]]} for g in index.param_groups]
+
+
+def _check_optimizer(index: CheckpointIndex, slots: ModelSlots, optimizer) -> None:
+    saved_class = index.meta.get("optimizer_class")
+    check_fits(optimizer, optimizer_slots(optimizer, slots), saved_class, _saved_groups(index))
+
+
 def _load_optimizer(
     index: CheckpointIndex,
     reader: CheckpointReader,
     slots: ModelSlots,
     optimizer: torch.optim.Optimizer,
 ) -> None:
-    if index.optim_state is None or index.param_groups is None:
-        raise CheckpointError("the checkpoint holds no optimizer state (saved without optimizer)")
+    saved_groups = _saved_groups(index)
     saved_state = {index.resolve(k): v for k, v in index.optim_state.items()}
-    saved_groups = [
-        {**g, "params": [index.resolve(n) for n in g["params"]]} for g in index.param_groups
-    ]
     names = {n: list(states) for n, states in saved_state.items()}
 
     def read(slot: ParamSlot, state: str) -> Any:

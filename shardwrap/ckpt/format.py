@@ -23,6 +23,7 @@ This module is pure file handling: no process group, so it is unit-tested direct
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -34,10 +35,12 @@ from typing import Any
 import torch
 
 from ..base.dtypes import BY_NAME
+from ..base.validate import unique_keys
 
 INDEX_NAME = "index.json"
 FORMAT_NAME = "shardwrap-checkpoint"
 FORMAT_VERSION = 1
+META_KEYS = ("save_id", "world_size", "num_shards", "strategy", "optimizer_class")
 SHARD_FILE_PATTERN = re.compile(r"^[0-9a-f]{16}-rank\d{5}\.safetensors$")
 TEMP_SUFFIX = ".tmp"
 DEFAULT_CHUNK_BYTES = 1 << 22  # 4 MiB: the unit of checksum verification on load
@@ -217,11 +220,16 @@ def fsync_dir(path: str) -> None:
 def write_atomic(folder: str, name: str, data: bytes) -> None:
     """Write ``folder/name`` so that it exists complete or not at all."""
     temp = os.path.join(folder, f".{name}{TEMP_SUFFIX}")
-    with open(temp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, os.path.join(folder, name))
+    try:
+        with open(temp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, os.path.join(folder, name))
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+        raise OSError(exc.errno, f"writing {os.path.join(folder, name)}: {exc.strerror}") from exc
     fsync_dir(folder)
 
 
@@ -309,8 +317,7 @@ def parse_index(root: str, raw: Any) -> CheckpointIndex:
                 raise CheckpointError(
                     f"checkpoint {root}: a piece names file {piece.file!r}, absent from the index"
                 )
-    meta_keys = ("save_id", "world_size", "num_shards", "strategy", "shardwrap_version")
-    meta = {k: raw[k] for k in meta_keys if k in raw}
+    meta = {k: raw[k] for k in META_KEYS if k in raw}
     aliases = _mapping(root, raw, "aliases")
     if not all(isinstance(v, str) for v in aliases.values()):
         raise _bad(root, "'aliases' must map names to names")
@@ -377,22 +384,12 @@ def read_index(root: str) -> CheckpointIndex:
         raise CheckpointError(f"checkpoint {root}: no {INDEX_NAME} (not a shardwrap checkpoint)")
     with open(index_path, encoding="utf-8") as handle:
         try:
-            raw = json.load(handle, object_pairs_hook=lambda pairs: _unique(index_path, pairs))
+            raw = json.load(handle, object_pairs_hook=unique_keys(index_path, CheckpointError))
         except json.JSONDecodeError as exc:
             raise CheckpointError(
                 f"checkpoint {root}: {INDEX_NAME} is not valid JSON: {exc}"
             ) from exc
     return parse_index(root, raw)
-
-
-def _unique(path: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are all distinct (``json`` silently keeps the last copy)."""
-    data: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in data:
-            raise CheckpointError(f"checkpoint index {path}: key {key!r} is given twice")
-        data[key] = value
-    return data
 
 
 def index_bytes(index: CheckpointIndex) -> bytes:

@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..base.validate import unique_keys
 from . import keys as ds_keys
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .sections import Section
@@ -114,7 +115,7 @@ class DeepSpeedConfig:
 def _read_json(path: str | os.PathLike) -> dict:
     try:
         with open(path, encoding="utf-8") as handle:
-            data = json.load(handle, object_pairs_hook=_refuse_duplicates(path))
+            data = json.load(handle, object_pairs_hook=unique_keys(f"config: {os.fspath(path)!r}"))
     except FileNotFoundError:
         raise ValueError(f"config: file {os.fspath(path)!r} does not exist") from None
     except json.JSONDecodeError as error:
@@ -122,23 +123,6 @@ def _read_json(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"config: {os.fspath(path)!r} must hold a JSON object")
     return data
-
-
-def _refuse_duplicates(path: str | os.PathLike):
-    """A JSON object hook that refuses a key given twice (``json`` keeps the last one)."""
-
-    def build(pairs: list[tuple[str, object]]) -> dict:
-        data: dict = {}
-        for key, value in pairs:
-            if key in data:
-                raise ValueError(
-                    f"config: {os.fspath(path)!r} gives key {key!r} twice in one object "
-                    "(JSON keeps only the last; remove one)"
-                )
-            data[key] = value
-        return data
-
-    return build
 
 
 # Top-level DeepSpeed keys whose features shardwrap does not implement: (off value, why).
