@@ -17,6 +17,7 @@ safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -80,13 +81,28 @@ def save_checkpoint(
     _raise_failures("save", root, openings)
     save_id = openings[0]["save_id"]
     report = _guarded(lambda: _write_rank_file(root, save_id, slots, optimizer))
+    written = report.get("file")
     reports = comm.all_gather_object(report, purpose="checkpoint")
-    _raise_failures("save", root, reports)
+    undo = lambda: _drop_uncommitted(root, save_id, written)  # noqa: E731
+    _raise_failures("save", root, reports, undo)
     if comm.rank == 0:
         report = _guarded(lambda: _commit_index(root, save_id, slots, optimizer, reports, extra))
     else:
         report = {"error": None}
-    _raise_failures("save", root, comm.all_gather_object(report, purpose="checkpoint"))
+    _raise_failures("save", root, comm.all_gather_object(report, purpose="checkpoint"), undo)
+
+
+def _drop_uncommitted(root: str, save_id: str, name: str | None) -> None:
+    """After a failed save: remove this rank's new file unless the index already names it."""
+    if name is None:
+        return
+    try:
+        committed = read_index(root).meta.get("save_id")
+    except (OSError, CheckpointError):
+        committed = None
+    if committed != save_id:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(root, name))
 
 
 def _check_json(argument: str, value: Any) -> dict[str, Any]:
@@ -105,8 +121,10 @@ def _guarded(action) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _raise_failures(what: str, root: str, reports: list[dict[str, Any]]) -> None:
+def _raise_failures(what: str, root: str, reports: list[dict[str, Any]], undo=None) -> None:
     failed = [(rank, r["error"]) for rank, r in enumerate(reports) if r["error"]]
+    if failed and undo is not None:
+        undo()
     if failed:
         details = "; ".join(f"rank {rank}: {error}" for rank, error in failed)
         raise CheckpointError(f"{what} of checkpoint {root} failed on {details}")
