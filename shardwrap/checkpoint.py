@@ -34,7 +34,6 @@ from .ckpt.format import (
     PieceRef,
     TensorEntry,
     check_coverage,
-    dtype_from_name,
     dtype_name,
     index_bytes,
     read_index,
@@ -42,6 +41,7 @@ from .ckpt.format import (
     shard_file_name,
     write_atomic,
 )
+from .ckpt.matching import check_entry, check_fits_model, match_names
 from .ckpt.optim_state import (
     SCALAR,
     SHARDED,
@@ -289,7 +289,8 @@ def load_checkpoint(
 
     def load() -> dict[str, Any]:
         index = read_index(root)
-        matched = _match_names(index, slots, strict)
+        matched = match_names(index, slots, strict)
+        check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
         if optimizer is not None:  # refuse a misfit before the model changes
             _check_optimizer(index, slots, optimizer)
         with CheckpointReader(root, index) as reader:
@@ -310,58 +311,14 @@ def _load_params(
     with torch.no_grad():
         for slot, saved_name in matched:
             entry = index.params[saved_name]
-            _check_entry(slot.fqn, entry, slot.shape, slot.dtype)
             if slot.end > slot.start:
                 data = reader.read_range(saved_name, entry, slot.start, slot.end)
                 slot.local_flat().copy_(data)
         for name, buffer in slots.buffers.items():
             entry = index.buffers.get(name)
             if entry is None:
-                continue  # reported by _match_names under strict
-            _check_entry(name, entry, tuple(buffer.shape), buffer.dtype)
+                continue  # reported by match_names under strict
             buffer.copy_(reader.read_full(name, entry))
-
-
-def _match_names(index: CheckpointIndex, slots: ModelSlots, strict: bool):
-    """Pair each slot with its saved name; report missing/unexpected names."""
-    matched, missing = [], []
-    model_aliases: dict[str, list[str]] = {}
-    for alias, canonical in slots.aliases.items():
-        model_aliases.setdefault(canonical, []).append(alias)
-    for slot in slots.slots:
-        candidates = [index.resolve(n) for n in (slot.fqn, *model_aliases.get(slot.fqn, []))]
-        found = next((n for n in candidates if n in index.params), None)
-        if found is None:
-            missing.append(slot.fqn)
-        else:
-            matched.append((slot, found))
-    used = {name for _, name in matched}
-    unexpected = sorted(set(index.params) - used)
-    missing += [n for n in slots.buffers if n not in index.buffers]
-    unexpected += sorted(set(index.buffers) - set(slots.buffers))
-    if slots.slots and (not matched or (strict and 2 * len(matched) < len(slots.slots))):
-        raise CheckpointError(
-            f"the checkpoint holds another model: only {len(matched)} of this model's "
-            f"{len(slots.slots)} parameters are in it (checkpoint: e.g. "
-            f"{sorted(index.params)[:3]}; model: e.g. {[s.fqn for s in slots.slots[:3]]})"
-        )
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"the checkpoint does not fit the model: missing {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''} (pass strict=False to skip them)"
-        )
-    return matched
-
-
-def _check_entry(name: str, entry: TensorEntry, shape: tuple[int, ...], dtype) -> None:
-    saved_dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
-    if entry.shape != tuple(shape):
-        raise CheckpointError(
-            f"parameter {name!r}: checkpoint shape {entry.shape}, model shape {tuple(shape)}"
-        )
-    if saved_dtype != dtype:
-        raise CheckpointError(f"parameter {name!r}: checkpoint dtype {saved_dtype}, model {dtype}")
 
 
 def _saved_groups(index: CheckpointIndex) -> list[dict[str, Any]]:
@@ -391,7 +348,7 @@ def _load_optimizer(
             return entry["value"]
         if entry.shape == ():
             return reader.read_full(f"{slot.fqn}/{state}", entry)
-        _check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
+        check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
         flat = reader.read_range(f"{slot.fqn}/{state}", entry, slot.start, slot.end)
         return flat.reshape(slot.local.shape)
 

@@ -149,3 +149,13 @@ def test_a_save_on_a_full_disk_names_the_file_and_leaves_nothing(one_rank, tmp_p
     load_checkpoint(folder, fresh, fresh_optim)
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+def test_a_later_parameter_of_another_dtype_changes_nothing(adamw_checkpoint, tmp_path):
+    def other_dtype(text: str) -> str:
+        raw = json.loads(text)
+        raw["params"]["head.bias"]["dtype"] = "float64"
+        return json.dumps(raw)
+
+    folder = _edited(adamw_checkpoint, str(tmp_path / "dtype"), other_dtype)
+    _refused(folder, "adamw", "'head.bias'", "checkpoint dtype torch.float64")
