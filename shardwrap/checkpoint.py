@@ -17,6 +17,7 @@ safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -33,7 +34,6 @@ from .ckpt.format import (
     PieceRef,
     TensorEntry,
     check_coverage,
-    dtype_from_name,
     dtype_name,
     index_bytes,
     read_index,
@@ -41,12 +41,15 @@ from .ckpt.format import (
     shard_file_name,
     write_atomic,
 )
+from .ckpt.matching import check_entry, check_fits_model, match_names
 from .ckpt.optim_state import (
     SCALAR,
     SHARDED,
     VALUE,
     build_load_dict,
+    check_fits,
     hyperparameters,
+    optimizer_class_name,
     optimizer_slots,
     state_kind,
 )
@@ -78,13 +81,28 @@ def save_checkpoint(
     _raise_failures("save", root, openings)
     save_id = openings[0]["save_id"]
     report = _guarded(lambda: _write_rank_file(root, save_id, slots, optimizer))
+    written = report.get("file")
     reports = comm.all_gather_object(report, purpose="checkpoint")
-    _raise_failures("save", root, reports)
+    undo = lambda: _drop_uncommitted(root, save_id, written)  # noqa: E731
+    _raise_failures("save", root, reports, undo)
     if comm.rank == 0:
         report = _guarded(lambda: _commit_index(root, save_id, slots, optimizer, reports, extra))
     else:
         report = {"error": None}
-    _raise_failures("save", root, comm.all_gather_object(report, purpose="checkpoint"))
+    _raise_failures("save", root, comm.all_gather_object(report, purpose="checkpoint"), undo)
+
+
+def _drop_uncommitted(root: str, save_id: str, name: str | None) -> None:
+    """After a failed save: remove this rank's new file unless the index already names it."""
+    if name is None:
+        return
+    try:
+        committed = read_index(root).meta.get("save_id")
+    except (OSError, CheckpointError):
+        committed = None
+    if committed != save_id:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(root, name))
 
 
 def _check_json(argument: str, value: Any) -> dict[str, Any]:
@@ -103,8 +121,10 @@ def _guarded(action) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _raise_failures(what: str, root: str, reports: list[dict[str, Any]]) -> None:
+def _raise_failures(what: str, root: str, reports: list[dict[str, Any]], undo=None) -> None:
     failed = [(rank, r["error"]) for rank, r in enumerate(reports) if r["error"]]
+    if failed and undo is not None:
+        undo()
     if failed:
         details = "; ".join(f"rank {rank}: {error}" for rank, error in failed)
         raise CheckpointError(f"{what} of checkpoint {root} failed on {details}")
@@ -186,6 +206,7 @@ def _commit_index(
             "save_id": save_id,
             "world_size": slots.world_comm.size,
             "strategy": _strategy_name(slots),
+            **({"optimizer_class": optimizer_class_name(optimizer)} if optimizer else {}),
         },
         params=params,
         aliases=dict(slots.aliases),
@@ -268,8 +289,12 @@ def load_checkpoint(
 
     def load() -> dict[str, Any]:
         index = read_index(root)
+        matched = match_names(index, slots, strict)
+        check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
+        if optimizer is not None:  # refuse a misfit before the model changes
+            _check_optimizer(index, slots, optimizer)
         with CheckpointReader(root, index) as reader:
-            _load_params(index, reader, slots, strict)
+            _load_params(index, reader, slots, matched)
             if optimizer is not None:
                 _load_optimizer(index, reader, slots, optimizer)
         result["extra"] = index.extra
@@ -281,64 +306,30 @@ def load_checkpoint(
 
 
 def _load_params(
-    index: CheckpointIndex, reader: CheckpointReader, slots: ModelSlots, strict: bool
+    index: CheckpointIndex, reader: CheckpointReader, slots: ModelSlots, matched: list
 ) -> None:
-    matched = _match_names(index, slots, strict)
     with torch.no_grad():
         for slot, saved_name in matched:
             entry = index.params[saved_name]
-            _check_entry(slot.fqn, entry, slot.shape, slot.dtype)
             if slot.end > slot.start:
                 data = reader.read_range(saved_name, entry, slot.start, slot.end)
                 slot.local_flat().copy_(data)
         for name, buffer in slots.buffers.items():
             entry = index.buffers.get(name)
             if entry is None:
-                continue  # reported by _match_names under strict
-            _check_entry(name, entry, tuple(buffer.shape), buffer.dtype)
+                continue  # reported by match_names under strict
             buffer.copy_(reader.read_full(name, entry))
 
 
-def _match_names(index: CheckpointIndex, slots: ModelSlots, strict: bool):
-    """Pair each slot with its saved name; report missing/unexpected names."""
-    matched, missing = [], []
-    model_aliases: dict[str, list[str]] = {}
-    for alias, canonical in slots.aliases.items():
-        model_aliases.setdefault(canonical, []).append(alias)
-    for slot in slots.slots:
-        candidates = [index.resolve(n) for n in (slot.fqn, *model_aliases.get(slot.fqn, []))]
-        found = next((n for n in candidates if n in index.params), None)
-        if found is None:
-            missing.append(slot.fqn)
-        else:
-            matched.append((slot, found))
-    used = {name for _, name in matched}
-    unexpected = sorted(set(index.params) - used)
-    missing += [n for n in slots.buffers if n not in index.buffers]
-    unexpected += sorted(set(index.buffers) - set(slots.buffers))
-    if slots.slots and (not matched or (strict and 2 * len(matched) < len(slots.slots))):
-        raise CheckpointError(
-            f"the checkpoint holds another model: only {len(matched)} of this model's "
-            f"{len(slots.slots)} parameters are in it (checkpoint: e.g. "
-            f"{sorted(index.params)[:3]}; model: e.g. {[s.fqn for s in slots.slots[:3]]})"
-        )
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"the checkpoint does not fit the model: missing {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''} (pass strict=False to skip them)"
-        )
-    return matched
+def _saved_groups(index: CheckpointIndex) -> list[dict[str, Any]]:
+    if index.optim_state is None or index.param_groups is None:
+        raise CheckpointError("the checkpoint holds no optimizer state (saved without optimizer)")
+    return [{**g, "params": [index.resolve(n) for n in g["params"]]} for g in index.param_groups]
 
 
-def _check_entry(name: str, entry: TensorEntry, shape: tuple[int, ...], dtype) -> None:
-    saved_dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
-    if entry.shape != tuple(shape):
-        raise CheckpointError(
-            f"parameter {name!r}: checkpoint shape {entry.shape}, model shape {tuple(shape)}"
-        )
-    if saved_dtype != dtype:
-        raise CheckpointError(f"parameter {name!r}: checkpoint dtype {saved_dtype}, model {dtype}")
+def _check_optimizer(index: CheckpointIndex, slots: ModelSlots, optimizer) -> None:
+    saved_class = index.meta.get("optimizer_class")
+    check_fits(optimizer, optimizer_slots(optimizer, slots), saved_class, _saved_groups(index))
 
 
 def _load_optimizer(
@@ -347,12 +338,8 @@ def _load_optimizer(
     slots: ModelSlots,
     optimizer: torch.optim.Optimizer,
 ) -> None:
-    if index.optim_state is None or index.param_groups is None:
-        raise CheckpointError("the checkpoint holds no optimizer state (saved without optimizer)")
+    saved_groups = _saved_groups(index)
     saved_state = {index.resolve(k): v for k, v in index.optim_state.items()}
-    saved_groups = [
-        {**g, "params": [index.resolve(n) for n in g["params"]]} for g in index.param_groups
-    ]
     names = {n: list(states) for n, states in saved_state.items()}
 
     def read(slot: ParamSlot, state: str) -> Any:
@@ -361,7 +348,7 @@ def _load_optimizer(
             return entry["value"]
         if entry.shape == ():
             return reader.read_full(f"{slot.fqn}/{state}", entry)
-        _check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
+        check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
         flat = reader.read_range(f"{slot.fqn}/{state}", entry, slot.start, slot.end)
         return flat.reshape(slot.local.shape)
 

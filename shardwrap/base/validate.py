@@ -28,3 +28,24 @@ def check_bools(record: object, *names: str) -> None:
         value = getattr(record, name)
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def unique_keys(where: str, error: type[Exception] = ValueError):
+    """A ``json.load(object_pairs_hook=...)`` that refuses a key given twice in one object.
+
+    Python's ``json`` silently keeps the last copy; the error names ``where`` (the file)
+    and the key.
+    """
+
+    def build(pairs: list[tuple[str, object]]) -> dict:
+        data: dict = {}
+        for key, value in pairs:
+            if key in data:
+                raise error(
+                    f"{where}: key {key!r} is given twice in one object (JSON keeps "
+                    "only the last copy)"
+                )
+            data[key] = value
+        return data
+
+    return build

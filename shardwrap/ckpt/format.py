@@ -23,6 +23,7 @@ This module is pure file handling: no process group, so it is unit-tested direct
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -34,10 +35,12 @@ from typing import Any
 import torch
 
 from ..base.dtypes import BY_NAME
+from ..base.validate import unique_keys
 
 INDEX_NAME = "index.json"
 FORMAT_NAME = "shardwrap-checkpoint"
 FORMAT_VERSION = 1
+META_KEYS = ("save_id", "world_size", "num_shards", "strategy", "optimizer_class")
 SHARD_FILE_PATTERN = re.compile(r"^[0-9a-f]{16}-rank\d{5}\.safetensors$")
 TEMP_SUFFIX = ".tmp"
 DEFAULT_CHUNK_BYTES = 1 << 22  # 4 MiB: the unit of checksum verification on load
@@ -217,11 +220,16 @@ def fsync_dir(path: str) -> None:
 def write_atomic(folder: str, name: str, data: bytes) -> None:
     """Write ``folder/name`` so that it exists complete or not at all."""
     temp = os.path.join(folder, f".{name}{TEMP_SUFFIX}")
-    with open(temp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, os.path.join(folder, name))
+    try:
+        with open(temp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, os.path.join(folder, name))
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+        raise OSError(exc.errno, f"writing {os.path.join(folder, name)}: {exc.strerror}") from exc
     fsync_dir(folder)
 
 
@@ -296,19 +304,12 @@ def parse_index(root: str, raw: Any) -> CheckpointIndex:
             f"checkpoint {root}: format version {raw.get('version')!r}, this shardwrap reads "
             f"version {FORMAT_VERSION}"
         )
-    files = {name: FileEntry.from_json(name, v) for name, v in raw.get("files", {}).items()}
+    files = {n: FileEntry.from_json(n, v) for n, v in _mapping(root, raw, "files").items()}
     for name in files:
         member_path(root, name)
-    params = {k: TensorEntry.from_json(k, v) for k, v in raw.get("params", {}).items()}
-    buffers = {k: TensorEntry.from_json(k, v) for k, v in raw.get("buffers", {}).items()}
-    optim = raw.get("optimizer")
-    optim_state = param_groups = None
-    if optim is not None:
-        optim_state = {
-            name: {k: _state_from_json(f"{name}/{k}", v) for k, v in states.items()}
-            for name, states in optim["state"].items()
-        }
-        param_groups = list(optim["param_groups"])
+    params = {k: TensorEntry.from_json(k, v) for k, v in _mapping(root, raw, "params").items()}
+    buffers = {k: TensorEntry.from_json(k, v) for k, v in _mapping(root, raw, "buffers").items()}
+    optim_state, param_groups = _parse_optimizer(root, raw.get("optimizer"))
     for entry in _all_entries(params, buffers, optim_state):
         for piece in entry.pieces:
             if piece.file not in files:
@@ -316,12 +317,47 @@ def parse_index(root: str, raw: Any) -> CheckpointIndex:
                 raise CheckpointError(
                     f"checkpoint {root}: a piece names file {piece.file!r}, absent from the index"
                 )
-    meta_keys = ("save_id", "world_size", "num_shards", "strategy", "shardwrap_version")
-    meta = {k: raw[k] for k in meta_keys if k in raw}
-    aliases = dict(raw.get("aliases", {}))
+    meta = {k: raw[k] for k in META_KEYS if k in raw}
+    aliases = _mapping(root, raw, "aliases")
+    if not all(isinstance(v, str) for v in aliases.values()):
+        raise _bad(root, "'aliases' must map names to names")
     return CheckpointIndex(
         meta, params, aliases, buffers, optim_state, param_groups, files, raw.get("extra")
     )
+
+
+def _bad(root: str, text: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint index {os.path.join(root, INDEX_NAME)}: {text}")
+
+
+def _mapping(root: str, raw: dict, key: str, what: str | None = None) -> dict[str, Any]:
+    """``raw[key]`` (empty when absent), which the format says is a JSON object."""
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        kind = type(value).__name__
+        raise _bad(root, f"{what or repr(key)} must be a JSON object, not a {kind}")
+    return dict(value)
+
+
+def _parse_optimizer(root: str, optim: Any):
+    """``optimizer``: ``{"state": {param: {state: entry}}, "param_groups": [{...}]}``."""
+    if optim is None:
+        return None, None
+    if not isinstance(optim, dict) or "state" not in optim or "param_groups" not in optim:
+        raise _bad(root, "'optimizer' must be an object with 'state' and 'param_groups'")
+    optim_state = {}
+    for name in _mapping(root, optim, "state", "'optimizer.state'"):
+        states = _mapping(root, optim["state"], name, f"'optimizer.state.{name}'")
+        optim_state[name] = {k: _state_from_json(f"{name}/{k}", v) for k, v in states.items()}
+    groups = optim["param_groups"]
+    if not isinstance(groups, list):
+        kind = type(groups).__name__
+        raise _bad(root, f"'optimizer.param_groups' must be a JSON list, not a {kind}")
+    for i, group in enumerate(groups):
+        names = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise _bad(root, f"'optimizer.param_groups[{i}]' must be an object with 'params'")
+    return optim_state, list(groups)
 
 
 def _all_entries(params, buffers, optim_state):
@@ -348,7 +384,7 @@ def read_index(root: str) -> CheckpointIndex:
         raise CheckpointError(f"checkpoint {root}: no {INDEX_NAME} (not a shardwrap checkpoint)")
     with open(index_path, encoding="utf-8") as handle:
         try:
-            raw = json.load(handle)
+            raw = json.load(handle, object_pairs_hook=unique_keys(index_path, CheckpointError))
         except json.JSONDecodeError as exc:
             raise CheckpointError(
                 f"checkpoint {root}: {INDEX_NAME} is not valid JSON: {exc}"

@@ -96,6 +96,52 @@ def restore_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str
     return restored
 
 
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_fits(
+    optimizer: torch.optim.Optimizer,
+    groups_slots: list[list[ParamSlot]],
+    saved_class: str | None,
+    saved_groups: list[dict[str, Any]],
+) -> None:
+    """Refuse saved state that does not fit ``optimizer`` (call before changing anything).
+
+    The class must be the saved one (checkpoints that predate the record skip this), the
+    groups the same parameters, and every saved group must hold each setting the optimizer
+    defines (``optimizer.defaults``): its ``step`` reads them.
+    """
+    current = optimizer_class_name(optimizer)
+    if saved_class is not None and saved_class != current:
+        raise ValueError(
+            f"optimizer: the checkpoint holds the state of a {saved_class}, this optimizer is "
+            f"a {current}; build a {saved_class} to load it (or load without the optimizer)"
+        )
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"optimizer: the saved state has {len(saved_groups)} param groups, this optimizer "
+            f"has {len(optimizer.param_groups)}"
+        )
+    for i, (group, slots, saved) in enumerate(
+        zip(optimizer.param_groups, groups_slots, saved_groups, strict=True)
+    ):
+        names = sorted(s.fqn for s in slots)
+        if names != sorted(saved["params"]):
+            raise ValueError(
+                f"optimizer: param_groups[{i}] holds {names}, the saved group holds "
+                f"{sorted(saved['params'])}"
+            )
+        missing = sorted(k for k in group if k in optimizer.defaults and k not in saved)
+        if missing:
+            raise ValueError(
+                f"optimizer: the saved param_groups[{i}] lacks the settings {missing} of this "
+                f"{current} (saved from another optimizer class?); its keys: "
+                f"{sorted(k for k in saved if k != 'params')}"
+            )
+
+
 StateReader = Callable[[ParamSlot, str], Any]  # (slot, state name) -> local value
 
 
@@ -111,23 +157,11 @@ def build_load_dict(
     ``saved_groups`` have ``"params"`` as lists of names; ``saved_state_names`` lists the
     state names saved per parameter name; ``read`` produces one local value.
     """
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"optimizer: the saved state has {len(saved_groups)} param groups, this optimizer "
-            f"has {len(optimizer.param_groups)}"
-        )
+    check_fits(optimizer, groups_slots, None, saved_groups)
     state: dict[int, dict[str, Any]] = {}
     groups = []
     position = 0
-    for group_index, (group, slots, saved) in enumerate(
-        zip(optimizer.param_groups, groups_slots, saved_groups, strict=True)
-    ):
-        names = [s.fqn for s in slots]
-        if sorted(names) != sorted(saved["params"]):
-            raise ValueError(
-                f"optimizer: param_groups[{group_index}] holds {sorted(names)}, the saved "
-                f"group holds {sorted(saved['params'])}"
-            )
+    for group, slots, saved in zip(optimizer.param_groups, groups_slots, saved_groups, strict=True):
         ids = list(range(position, position + len(slots)))
         position += len(slots)
         for param_id, slot in zip(ids, slots, strict=True):

@@ -10,6 +10,7 @@ peak memory is one tensor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -74,16 +75,32 @@ def write_stream(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> WrittenFile:
-    """Write ``items`` to ``path`` under a temporary name, fsync, rename into place."""
+    """Write ``items`` to ``path`` under a temporary name, fsync, rename into place.
+
+    A failure (a full disk, say) removes the temporary and names the file being written.
+    """
     folder, name = os.path.split(path)
     temp = os.path.join(folder, f".{name}{TEMP_SUFFIX}")
-    file_digest = hashlib.sha256()
-    tensor_digests: dict[str, list[str]] = {}
     head = header_bytes(items, metadata)
+    try:
+        size, file_digest, tensor_digests = _write_temp(temp, head, items, chunk_bytes)
+        os.replace(temp, path)
+        fsync_dir(folder or ".")
+    except OSError as exc:
+        _remove_quietly(temp)
+        raise OSError(exc.errno, f"writing checkpoint file {path}: {exc.strerror or exc}") from exc
+    except BaseException:
+        _remove_quietly(temp)
+        raise
+    return WrittenFile(size, file_digest.hexdigest(), chunk_bytes, tensor_digests)
+
+
+def _write_temp(temp: str, head: bytes, items: list[StreamItem], chunk_bytes: int):
+    file_digest = hashlib.sha256(head)
+    tensor_digests: dict[str, list[str]] = {}
     size = len(head)
     with open(temp, "wb") as handle:
         handle.write(head)
-        file_digest.update(head)
         for item in items:
             data = _raw_bytes(item)
             tensor_digests[item.key] = chunk_digests(data, chunk_bytes)
@@ -92,9 +109,12 @@ def write_stream(
             size += len(data)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(temp, path)
-    fsync_dir(folder or ".")
-    return WrittenFile(size, file_digest.hexdigest(), chunk_bytes, tensor_digests)
+    return size, file_digest, tensor_digests
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def _raw_bytes(item: StreamItem) -> memoryview:

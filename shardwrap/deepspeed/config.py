@@ -26,12 +26,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..base.validate import unique_keys
 from . import keys as ds_keys
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .sections import Section
 from .zero import ZeroConfig, parse_zero
 
 _ALWAYS = object()  # an "off value" no config can hold: the key is always rejected
+MAX_INITIAL_SCALE_POWER = 63  # 2**63: far past any useful fp16 loss scale (fp16 max ~2**16)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,7 +95,12 @@ class DeepSpeedConfig:
         if isinstance(config, DeepSpeedConfig):
             return config
         if isinstance(config, (str, os.PathLike)):
-            return cls.load(_read_json(config))
+            try:
+                return parse_config(_read_json(config))
+            except (TypeError, ValueError) as error:
+                if str(error).startswith("config: "):
+                    raise
+                raise type(error)(f"config {os.fspath(config)!r}: {error}") from None
         return parse_config(config)
 
     def batch_sizes(self, data_parallel_size: int) -> BatchSizes:
@@ -108,7 +115,7 @@ class DeepSpeedConfig:
 def _read_json(path: str | os.PathLike) -> dict:
     try:
         with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+            data = json.load(handle, object_pairs_hook=unique_keys(f"config: {os.fspath(path)!r}"))
     except FileNotFoundError:
         raise ValueError(f"config: file {os.fspath(path)!r} does not exist") from None
     except json.JSONDecodeError as error:
@@ -204,7 +211,9 @@ def _parse_fp16(raw: dict) -> FP16Config:
         enabled=section.boolean("enabled", False),
         auto_cast=section.boolean("auto_cast", False),
         loss_scale=section.number("loss_scale", 0.0, minimum=0.0),
-        initial_scale_power=section.integer("initial_scale_power", 16),
+        initial_scale_power=section.integer(
+            "initial_scale_power", 16, minimum=0, maximum=MAX_INITIAL_SCALE_POWER
+        ),
         loss_scale_window=section.integer("loss_scale_window", 1000, minimum=1),
         hysteresis=section.integer("hysteresis", 2, minimum=1),
         consecutive_hysteresis=section.boolean("consecutive_hysteresis", False),

@@ -73,7 +73,9 @@ class Section:
             raise TypeError(f"{self._name(key)}: expected true or false, got {value!r}")
         return value
 
-    def integer(self, key: str, default: int | None, *, minimum: int | None = 0) -> int | None:
+    def integer(
+        self, key: str, default: int | None, *, minimum: int | None = 0, maximum: int | None = None
+    ) -> int | None:
         """An integer; ``5e8`` written as a float is accepted when it is integral."""
         value = self.raw.get(key, default)
         if value is None:
@@ -86,6 +88,10 @@ class Section:
             value = int(value)
         if minimum is not None and value < minimum:
             raise ValueError(f"{self._name(key)}: must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ValueError(
+                f"{self._name(key)}: must be in {minimum or 0}..{maximum}, got {value}"
+            )
         return value
 
     def number(self, key: str, default: float | None, *, minimum: float | None = None) -> float:

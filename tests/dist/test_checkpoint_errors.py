@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import struct
 
-from tests.dist.ckpt_workers import bad_load_outcomes, phase
+import torch
+
+from shardwrap import CheckpointError, load_checkpoint, save_checkpoint
+from shardwrap.ckpt import safetensors_writer
+from tests import models
+from tests.dist import parity
+from tests.dist.ckpt_workers import bad_load_outcomes, phase, wrap
 from tests.dist.harness import run_ranks
 
 
@@ -83,3 +90,37 @@ def test_damaged_and_mismatched_checkpoints(tmp_path):
     assert "missing ['blocks.2.ln1.weight'" in deeper and "unexpected []" in deeper, deeper
     assert deeper_lax == "ok"
     assert "'tok.weight'" in wider and "(64, 32)" in wider and "(80, 32)" in wider, wider
+
+
+def _full_disk_on_rank1(rank: int, world_size: int, folder: str) -> tuple[str, list[str]]:
+    """Save once, then again with rank 1's disk full: the error, and the files left."""
+    torch.manual_seed(0)
+    model = wrap(models.MLP(depth=1), world_size, "FULL_SHARD")
+    optim = parity.make_optimizer(model, "adamw")
+    save_checkpoint(folder, model, optim)
+    real = safetensors_writer._raw_bytes
+
+    def fill_the_disk(item):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(item)
+
+    safetensors_writer._raw_bytes = fill_the_disk
+    try:
+        save_checkpoint(folder, model, optim)
+        error = "saved"
+    except CheckpointError as exc:
+        error = str(exc)
+    finally:
+        safetensors_writer._raw_bytes = real
+    load_checkpoint(folder, model, optim)  # the previous save is intact
+    return error, sorted(os.listdir(folder))
+
+
+def test_a_failed_save_removes_every_ranks_new_file(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    (error, left), _ = run_ranks(_full_disk_on_rank1, 2, folder)
+    assert "rank 1: OSError" in error and "No space left on device" in error, error
+    assert "rank00001.safetensors" in error and folder in error, error
+    index = json.load(open(os.path.join(folder, "index.json")))
+    assert left == sorted(["index.json", *index["files"]]), left  # rank 0's new file is gone

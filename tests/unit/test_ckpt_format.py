@@ -193,6 +193,24 @@ def test_read_index_tells_an_unfinished_save_from_a_missing_one(tmp_path):
         (lambda raw: raw["params"]["w"]["pieces"][0].update(file="x.bin"), "absent from"),
         (lambda raw: raw["params"]["w"]["pieces"][0].update(file="../x"), "traversal"),
         (lambda raw: raw["params"]["w"].pop("pieces"), "malformed"),
+        (lambda raw: raw.update(params=[]), r"index.json: 'params' must be a JSON object.*list"),
+        (lambda raw: raw.update(files=[]), r"index.json: 'files' must be a JSON object.*list"),
+        (
+            lambda raw: raw.update(optimizer={"state": [], "param_groups": []}),
+            r"index.json: 'optimizer.state' must be a JSON object, not a list",
+        ),
+        (
+            lambda raw: raw.update(optimizer={"state": {"w": []}, "param_groups": []}),
+            r"index.json: 'optimizer.state.w' must be a JSON object, not a list",
+        ),
+        (
+            lambda raw: raw.update(optimizer={"state": {}, "param_groups": 3}),
+            r"index.json: 'optimizer.param_groups' must be a JSON list, not a int",
+        ),
+        (
+            lambda raw: raw.update(optimizer={"state": {}, "param_groups": [{"params": 1}]}),
+            r"index.json: 'optimizer.param_groups\[0\]' must be an object with 'params'",
+        ),
     ],
 )
 def test_read_index_rejects_bad_indexes(tmp_path, edit, message):
@@ -217,3 +235,17 @@ def test_remove_stale_files_keeps_the_committed_and_foreign_files(tmp_path):
     removed = remove_stale_files(str(tmp_path), keep={names[0]})
     assert sorted(removed) == sorted(names[1:3])
     assert sorted(os.listdir(tmp_path)) == sorted([names[0], "notes.txt", INDEX_NAME])
+
+
+def test_read_index_refuses_a_key_given_twice(tmp_path):
+    """JSON keeps the last copy of a key: a second ``w`` would load another tensor's data."""
+    _one_file_checkpoint(str(tmp_path), torch.randn(6, 5))
+    text = (tmp_path / INDEX_NAME).read_text()
+    raw = json.loads(text)
+    entry = raw["params"]["w"]
+    entry["pieces"] = entry["pieces"][::-1]
+    doubled = text.replace('"params": {', '"params": {"w": ' + json.dumps(entry) + ", ", 1)
+    assert doubled != text
+    (tmp_path / INDEX_NAME).write_text(doubled)
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}/index.json: key 'w' is given twice"):
+        read_index(str(tmp_path))

@@ -246,3 +246,23 @@ def test_scheduler_block():
         load(scheduler={"type": "WarmupDecayLR", "params": {}})
     with pytest.raises(ValueError, match="warmup_type"):
         load(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cubic"}})
+
+
+def test_out_of_range_scale_power_names_the_key_the_range_and_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"fp16.initial_scale_power: must be in 0..63, got 5000"):
+        load(fp16={"enabled": True, "initial_scale_power": 5000})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "fp16": {"initial_scale_power": 64}}))
+    with pytest.raises(ValueError, match=r"ds\.json.*fp16.initial_scale_power.*0..63"):
+        DeepSpeedConfig.load(path)
+    assert load(fp16={"initial_scale_power": 63}).fp16.initial_loss_scale == 2.0**63
+
+
+def test_a_key_given_twice_in_a_json_file_is_refused(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "fp16": {"enabled": true, "enabled": false}}')
+    with pytest.raises(ValueError, match=r"ds\.json.*key .enabled. is given twice"):
+        DeepSpeedConfig.load(path)
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ValueError, match=r"ds\.json.*key .train_batch_size. is given twice"):
+        DeepSpeedConfig.load(str(path))
