@@ -323,4 +323,5 @@ def _optimizer_like(model: nn.Module, osd: dict) -> SimpleNamespace:
             raise ValueError(f"optim_state_dict: parameters {missing} are not in the model")
         settings = {k: v for k, v in saved.items() if k != "params"}
         groups.append({**settings, "params": [slots[n].local for n in names]})
-    return SimpleNamespace(param_groups=groups)
+    # Its settings are the saved ones, so there are no defaults to check them against.
+    return SimpleNamespace(param_groups=groups, defaults={})
