@@ -5,7 +5,9 @@ twice); each root's ``StepRuntime`` is recorded against its units, so that code 
 module (``summon_full_params``, ``register_forward_method``) or only an optimizer (a grad
 scaler) finds the runtime without reaching into ``ShardedModule``. Handles inside an
 active ``summon_full_params`` are recorded too, so a nested summon leaves them alone.
-Every table holds its keys weakly: a model that is dropped leaves no entry behind.
+Every table holds its keys weakly, and values that refer back to their keys (a unit
+holds its module, a runtime its units) weakly too: a model that is dropped leaves no
+entry behind and is freed with its optimizer hooks, not kept until the process ends.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from ..flat_param import FlatParamHandle
 # module (registering itself), and the import may only go one way.
 StepRuntime = Any
 
-# The unit each wrapped module became.
-_UNITS: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
-# The runtime of the root that owns each unit.
-_RUNTIMES: weakref.WeakKeyDictionary[Unit, StepRuntime] = weakref.WeakKeyDictionary()
+# The unit each wrapped module became (kept alive by its root and by the module's hooks).
+_UNITS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Unit]] = weakref.WeakKeyDictionary()
+# The runtime of the root that owns each unit (kept alive by the root).
+_RUNTIMES: weakref.WeakKeyDictionary[Unit, weakref.ref] = weakref.WeakKeyDictionary()
 # Roots (``ShardedModule``) and the module each wraps.
 _ROOTS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 # Runtimes whose optimizer hooks are live (ZeRO-1 units; see ``reduce_deferred_grads_for``).
@@ -38,23 +40,26 @@ def add_root(root: nn.Module, inner: nn.Module, runtime: StepRuntime) -> None:
     """Record a root wrapping ``inner``, and that ``runtime`` owns its units."""
     _ROOTS[root] = inner
     for unit in runtime.units:
-        _UNITS[unit.module] = unit
-        _RUNTIMES[unit] = runtime
+        _UNITS[unit.module] = weakref.ref(unit)
+        _RUNTIMES[unit] = weakref.ref(runtime)
 
 
 def managed_units() -> list[tuple[nn.Module, Unit]]:
     """Every live unit with the module it became, in wrap order."""
-    return list(_UNITS.items())
+    pairs = [(module, ref()) for module, ref in list(_UNITS.items())]
+    return [(module, unit) for module, unit in pairs if unit is not None]
 
 
 def is_managed(module: nn.Module) -> bool:
-    """Whether ``module`` is some root's unit already."""
-    return module in _UNITS
+    """Whether ``module`` is some root's unit already (a root itself is not)."""
+    ref = _UNITS.get(module)
+    return ref is not None and ref() is not None
 
 
 def unit_of(module: nn.Module) -> Unit | None:
     """The unit ``module`` (or, for a root, the module it wraps) became, if any."""
-    return _UNITS.get(_ROOTS.get(module, module))
+    ref = _UNITS.get(_ROOTS.get(module, module))
+    return None if ref is None else ref()
 
 
 def wrapped_module(module: nn.Module) -> nn.Module | None:
@@ -64,7 +69,8 @@ def wrapped_module(module: nn.Module) -> nn.Module | None:
 
 def runtime_of(unit: Unit) -> StepRuntime | None:
     """The runtime of the root that owns ``unit``."""
-    return _RUNTIMES.get(unit)
+    ref = _RUNTIMES.get(unit)
+    return None if ref is None else ref()
 
 
 def add_stepping(runtime: StepRuntime) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import wrap as torch_wrap
@@ -112,3 +113,23 @@ def test_enable_wrap_nests_units_under_the_outer_root(one_rank):
     assert wrap(plain) is plain  # outside enable_wrap, wrap is the identity
     adopted = next(u for u in model.units if u.name == "body.0")
     assert [i.fqn for i in adopted.handle.layout.params] == ["body.0.weight", "body.0.bias"]
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_OPTIM"])
+def test_a_dropped_model_is_freed(one_rank, strategy):
+    # The registry of live units holds nothing that keeps a model alive: a model dropped
+    # after training is freed (with its hooks), not kept until the process ends.
+    import gc
+    import weakref
+
+    plain = models.TinyGPT()
+    model = shardwrap.ShardedModule(
+        plain, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({models.Block})
+    )
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 16))).sum().backward()
+    optim.step()
+    refs = [weakref.ref(plain), weakref.ref(model)]
+    del plain, model, optim
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
