@@ -30,6 +30,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gpt  # noqa: E402
+from benchmarks.cli import comma_list  # noqa: E402
 
 # A GPT-2-small-like shape for the GPU run; the CPU sizes come from gpt.SIZES.
 GPU_SIZES = {"124m": gpt.GPTConfig(vocab=50304, dim=768, depth=12, num_heads=12, seq=1024)}
@@ -166,10 +167,7 @@ def parse_args(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     args.config = sizes[args.size]
     args.dtype = getattr(torch, args.dtype)
-    args.impls = args.impls.split(",")
-    for name in args.impls:
-        if name not in IMPLS:
-            parser.error(f"--impls: unknown implementation {name!r}; choose from {list(IMPLS)}")
+    args.impls = comma_list(parser, "--impls", args.impls, IMPLS, "implementation")
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
         parser.error("--steps and --batch must be at least 1, --warmup at least 0")
     return args

@@ -28,6 +28,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gpt  # noqa: E402
+from benchmarks.cli import comma_list  # noqa: E402
 from benchmarks.optimizers import OPTIMIZERS  # noqa: E402
 from benchmarks.parity import STRATEGIES, differences, train  # noqa: E402
 
@@ -45,18 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
-    args.sizes = [s for s in args.sizes.split(",") if s]
-    args.optimizers = [o for o in args.optimizers.split(",") if o]
-    args.strategies = [s for s in args.strategies.split(",") if s]
-    for size in args.sizes:
-        if size not in gpt.SIZES:
-            parser.error(f"--sizes: unknown size {size!r}; choose from {sorted(gpt.SIZES)}")
-    for name in args.optimizers:
-        if name not in OPTIMIZERS:
-            parser.error(f"--optimizers: unknown {name!r}; choose from {sorted(OPTIMIZERS)}")
-    for strategy in args.strategies:
-        if strategy not in STRATEGIES:
-            parser.error(f"--strategies: unknown {strategy!r}; choose from {STRATEGIES}")
+    args.sizes = comma_list(parser, "--sizes", args.sizes, gpt.SIZES, "size")
+    args.optimizers = comma_list(parser, "--optimizers", args.optimizers, OPTIMIZERS, "optimizer")
+    args.strategies = comma_list(parser, "--strategies", args.strategies, STRATEGIES, "strategy")
     return args
 
 

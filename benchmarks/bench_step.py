@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script (`make bench`): make `benchmark
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gpt, report  # noqa: E402
+from benchmarks.cli import comma_list  # noqa: E402
 from benchmarks.impls import EXPERIMENTS, IMPLS, deepspeed_available  # noqa: E402
 from benchmarks.worker import WorkerConfig, run  # noqa: E402
 
@@ -62,14 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.steps, args.warmup = "5m", 3, 1
-    args.sizes = [s for s in args.sizes.split(",") if s]
-    args.impls = [i for i in args.impls.split(",") if i]
-    for size in args.sizes:
-        if size not in gpt.SIZES:
-            parser.error(f"--sizes: unknown size {size!r}; allowed: {list(gpt.SIZES)}")
-    for impl in args.impls:
-        if impl not in IMPLS:
-            parser.error(f"--impls: unknown implementation {impl!r}; allowed: {list(IMPLS)}")
+    args.sizes = comma_list(parser, "--sizes", args.sizes, gpt.SIZES, "size")
+    args.impls = comma_list(parser, "--impls", args.impls, IMPLS, "implementation")
     if args.world_size < 1 or args.steps < 1 or args.warmup < 0 or args.micro_batch < 1:
         parser.error("--world-size, --steps and --micro-batch must be >= 1, --warmup >= 0")
     return args
