@@ -43,7 +43,7 @@ _ORIGINALS: dict[tuple[str, str], Any] = {}
 
 
 def _holds_shardwrap(model: Any) -> bool:
-    return any(registry.wrapped_module(m) is not None for m in model.modules())
+    return any(registry.is_root(m) for m in model.modules())
 
 
 def _dispatch(name: str, ours: Any) -> Any:

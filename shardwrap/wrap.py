@@ -107,7 +107,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     ) -> None:
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
-        check_not_wrapped(module, ShardedModule)
+        check_not_wrapped(module)
         require_process_group()
         self._set_options(
             sharding_strategy,
@@ -132,7 +132,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
             self.comm_ledger,
             self.param_persistence_threshold,
         )
-        absorbed = absorb_nested(module, ShardedModule, policy=policy)
+        absorbed = absorb_nested(module, policy=policy)
         new_units, full_precision = shard_root(
             module,
             comms,
@@ -285,15 +285,11 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         """Every FSDP instance in ``module``'s tree, roots and units, in module order
         (FSDP's name); only the roots when ``root_only``."""
         if root_only:
-            return [m for m in module.modules() if registry.wrapped_module(m) is not None]
+            return [m for m in module.modules() if registry.is_root(m)]
         return [m for m in module.modules() if isinstance(m, ShardedModule)]
 
     def check_is_root(self) -> bool:
         return True
-
-    @property
-    def _fsdp_unit(self) -> Unit:
-        return self._units[0]  # the root module's own unit
 
     # ---------------------------------------- names as in the unwrapped module
     def named_parameters(

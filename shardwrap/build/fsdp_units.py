@@ -51,11 +51,15 @@ class FSDPMeta(type):
 
 
 class FSDP1Attributes:
-    """FSDP1 instance attributes frameworks read, of the unit ``_fsdp_unit`` names."""
+    """FSDP1 instance attributes frameworks read, of the unit a unit module became or a
+    root's own unit (the registry answers both)."""
 
     @property
     def _fsdp_unit(self) -> Unit:
-        raise NotImplementedError
+        unit = registry.unit_of(self)  # type: ignore[arg-type]
+        if unit is None:
+            raise RuntimeError(f"{type(self).__name__}: no ShardedModule manages this module")
+        return unit
 
     @property
     def _has_params(self) -> bool:
@@ -82,13 +86,6 @@ class FSDPUnit(FSDP1Attributes):
     @property
     def _is_root(self) -> bool:
         return False
-
-    @property
-    def _fsdp_unit(self) -> Unit:
-        unit = registry.unit_of(self)  # type: ignore[arg-type]
-        if unit is None:
-            raise RuntimeError(f"{type(self).__name__}: no ShardedModule manages this module")
-        return unit
 
 
 class FlatParamView:

@@ -4,8 +4,8 @@ A ``ShardedModule`` built around a model that already holds ``ShardedModule`` ch
 (FSDP1's nested wrapping style) takes those children's units over as its own: the
 children disappear from the module tree, and their units' names become relative to the
 new root. A module that some other ``ShardedModule`` already manages cannot be wrapped
-again. ``wrapper`` is the ``ShardedModule`` class, passed in so this module need not
-import it.
+again. Roots are found through the registry (``registry.is_root``), not by class: every
+unit's module is an instance of ``ShardedModule`` too ([Note: units as FSDP instances]).
 """
 
 from __future__ import annotations
@@ -18,33 +18,29 @@ from ..core.unit import Unit
 from ..runtime import registry
 
 
-def _is_root(module: nn.Module) -> bool:
-    # Not ``isinstance(module, wrapper)``: every unit's module answers that too
-    # ([Note: units as FSDP instances]).
-    return registry.wrapped_module(module) is not None
-
-
-def check_not_wrapped(module: object, wrapper: type) -> None:
+def check_not_wrapped(module: object) -> None:
     """Raise unless ``module`` is a module no ``ShardedModule`` manages yet (nested ones
     inside it are fine: they are adopted)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
-    if _is_root(module):
+    if registry.is_root(module):
         raise ValueError("module: this module is already a ShardedModule (wrapped twice)")
     for name, sub in module.named_modules():
-        if registry.is_managed(sub) and not _is_nested_root(module, sub, wrapper):
+        if registry.is_managed(sub) and not _is_nested_root(module, sub):
             where = f"submodule {name!r}" if name else "the module"
             raise ValueError(
                 f"module: {where} is already managed by a ShardedModule (wrapped twice)"
             )
 
 
-def _is_nested_root(root: nn.Module, sub: nn.Module, wrapper: type) -> bool:
+def _is_nested_root(root: nn.Module, sub: nn.Module) -> bool:
     """Whether ``sub`` belongs to a ``ShardedModule`` sitting inside ``root`` (absorbable)."""
-    return any(_is_root(m) and any(u.module is sub for u in m.units) for m in root.modules())
+    return any(
+        registry.is_root(m) and any(u.module is sub for u in m.units) for m in root.modules()
+    )
 
 
-def absorb_nested(module: nn.Module, wrapper: type, *, policy: Any = None) -> list[Unit]:
+def absorb_nested(module: nn.Module, *, policy: Any = None) -> list[Unit]:
     """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
 
     The adopted units' names and parameter names become relative to ``module``. With an
@@ -54,7 +50,7 @@ def absorb_nested(module: nn.Module, wrapper: type, *, policy: Any = None) -> li
     adopted: list[Unit] = []
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if _is_root(child):
+            if registry.is_root(child):
                 if policy is not None:
                     path = f"{parent_name}.{child_name}" if parent_name else child_name
                     raise ValueError(

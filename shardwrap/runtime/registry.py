@@ -67,6 +67,12 @@ def wrapped_module(module: nn.Module) -> nn.Module | None:
     return _ROOTS.get(module)
 
 
+def is_root(module: nn.Module) -> bool:
+    """Whether ``module`` is a root (a ``ShardedModule``); unit modules, which also answer
+    ``isinstance(m, ShardedModule)``, are not."""
+    return module in _ROOTS
+
+
 def runtime_of(unit: Unit) -> StepRuntime | None:
     """The runtime of the root that owns ``unit``."""
     ref = _RUNTIMES.get(unit)

@@ -36,7 +36,7 @@ from torch.optim.optimizer import (
 from ..base.torch_compat import queue_backward_callback
 from ..comm.collectives import Communicator
 from ..core.unit import TrainingState, Unit
-from ..flat_param import FlatParamHandle, holds_shards_of
+from ..flat_param import FlatParamHandle
 from . import registry
 from .schedule import Schedule
 
@@ -85,8 +85,8 @@ class StepRuntime:
         # backward reduced since; the optimizer step reduces them.
         self.deferred_grads_pending = False
         self._step_hooks: list = []
-        # id(shard view) -> its handle, for the step post-hook; the views live as long as
-        # their handle, so ids stay valid.
+        # id(shard view) -> its handle, for the optimizer step hooks; the views live as long
+        # as their handle, so ids stay valid.
         self._handle_of_shard = {
             id(param): u.handle
             for u in units
@@ -228,7 +228,9 @@ class StepRuntime:
         self.vote_and_assign(units)
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        return holds_shards_of(optimizer, [u.handle for u in self.units if u.handle is not None])
+        return any(
+            id(p) in self._handle_of_shard for g in optimizer.param_groups for p in g["params"]
+        )
 
     def _install_optimizer_hooks(self) -> None:
         ref = weakref.ref(self)
