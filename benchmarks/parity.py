@@ -101,7 +101,7 @@ def differences(run: Run, reference: Run, *, tolerance: dict[str, float] | None)
     rtol, atol = (0.0, 0.0) if tolerance is None else (tolerance["rtol"], tolerance["atol"])
     found = []
     for step, (loss, ref) in enumerate(zip(run.losses, reference.losses, strict=True)):
-        if abs(loss - ref) > atol + rtol * abs(ref) or (tolerance is None and loss != ref):
+        if not abs(loss - ref) <= atol + rtol * abs(ref):  # NaN differs too
             found.append(f"loss of step {step + 1}: {loss!r} vs {ref!r}")
             break
     for name, expected in reference.state.items():

@@ -49,7 +49,11 @@ def _holds_shardwrap(model: Any) -> bool:
 def _dispatch(name: str, ours: Any) -> Any:
     def call(model, *args, **kwargs):
         if _holds_shardwrap(model):
-            kwargs.pop("submodules", None)
+            if kwargs.pop("submodules", None) is not None:
+                raise ValueError(
+                    f"{name}: submodules= (deprecated in torch) is not supported for a "
+                    "shardwrap model; take the whole state dict and select its keys"
+                )
             return ours(model, *args, **kwargs)
         return _ORIGINALS[(_DSD, name)](model, *args, **kwargs)
 

@@ -79,3 +79,18 @@ def test_fsdp1_attributes_frameworks_read(one_rank):
             flat.data = flat.data.to(torch.bfloat16)
         with pytest.raises(TypeError, match="cannot change them to torch.bfloat16"):
             block._handle._orig_param_dtype = torch.bfloat16
+
+
+def test_installed_get_state_dict_refuses_what_it_cannot_honour(one_rank):
+    # torch's submodules= would restrict the state dict; dropping it would save it whole.
+    from torch.distributed.checkpoint import state_dict as torch_dsd
+
+    import shardwrap
+
+    model = FSDP(models.MLP())
+    shardwrap.install()
+    try:
+        with pytest.raises(ValueError, match="get_state_dict: submodules="):
+            torch_dsd.get_state_dict(model, [], submodules={model.module.body})
+    finally:
+        shardwrap.uninstall()
