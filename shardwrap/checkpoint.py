@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from .ckpt.entries import SavedPiece, group_pieces
 from .ckpt.format import (
     INDEX_NAME,
     CheckpointError,
     CheckpointIndex,
     FileEntry,
-    PieceRef,
     TensorEntry,
     check_coverage,
     dtype_name,
@@ -76,20 +76,47 @@ def save_checkpoint(
     root = os.fspath(path)
     slots = model_slots(model)
     comm = slots.world_comm
-    opening = _guarded(lambda: {"save_id": secrets.token_hex(8), **_check_json("extra", extra)})
-    openings = comm.all_gather_object(opening, purpose="checkpoint")
-    _raise_failures("save", root, openings)
-    save_id = openings[0]["save_id"]
+    # One all-reduce agrees on rank 0's save id and on whether every rank may go on.
+    opening = _guarded(lambda: _check_json("extra", extra))
+    save_id, failures = _agree_on_id(comm, opening["error"] is not None)
+    _settle(comm, "save", root, opening, failures=failures)
     report = _guarded(lambda: _write_rank_file(root, save_id, slots, optimizer))
     written = report.get("file")
-    reports = comm.all_gather_object(report, purpose="checkpoint")
     undo = lambda: _drop_uncommitted(root, save_id, written)  # noqa: E731
-    _raise_failures("save", root, reports, undo)
+    # Only rank 0 receives the ranks' records (gather, not all-gather): [Note: index at scale].
+    reports = comm.gather_object(report, purpose="checkpoint")
     if comm.rank == 0:
-        report = _guarded(lambda: _commit_index(root, save_id, slots, optimizer, reports, extra))
-    else:
-        report = {"error": None}
-    _raise_failures("save", root, comm.all_gather_object(report, purpose="checkpoint"), undo)
+        failed = [(rank, r["error"]) for rank, r in enumerate(reports) if r["error"]]
+        if failed:
+            report = {"error": "; ".join(f"rank {rank}: {error}" for rank, error in failed)}
+        else:
+            report = _guarded(
+                lambda: _commit_index(root, save_id, slots, optimizer, reports, extra)
+            )
+    _settle(comm, "save", root, report, undo)
+
+
+def _agree_on_id(comm, failed: bool) -> tuple[str, int]:
+    """Rank 0's fresh save id, and how many ranks failed: one 16-byte all-reduce."""
+    proposal = secrets.randbits(63) if comm.rank == 0 else 0
+    agreed = torch.tensor([proposal, int(failed)], dtype=torch.int64)
+    comm.all_reduce(agreed, purpose="checkpoint").wait()
+    return f"{int(agreed[0]):016x}", int(agreed[1])
+
+
+def _settle(comm, what: str, root: str, report: dict, undo=None, *, failures=None) -> None:
+    """Raise on every rank if any rank failed; error details travel only on failure.
+
+    A 4-byte all-reduce says whether any rank failed (unless ``failures`` already says);
+    only then does every rank share its error text.
+    """
+    if failures is None:
+        flag = torch.tensor([1 if report["error"] else 0], dtype=torch.int32)
+        comm.all_reduce(flag, purpose="checkpoint").wait()
+        failures = int(flag)
+    if failures:
+        errors = comm.all_gather_object(report["error"], purpose="checkpoint")
+        _raise_failures(what, root, [{"error": e} for e in errors], undo)
 
 
 def _drop_uncommitted(root: str, save_id: str, name: str | None) -> None:
@@ -143,43 +170,47 @@ def _write_rank_file(
     return {"file": name, "file_entry": entry.to_json(), "records": records}
 
 
-def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[dict]]:
-    """The 1-D pieces this rank saves (written lazily), and a record of each for the index."""
+def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[tuple]]:
+    """The 1-D pieces this rank saves (written lazily), and a record of each for the index:
+    ``(kind, name, state, start, end, dtype, step, origin)``; see :class:`SavedPiece`."""
     items: list[StreamItem] = []
-    records: list[dict[str, Any]] = []
+    records: list[tuple] = []
     is_rank0 = slots.world_comm.rank == 0
 
-    def add(kind: str, name: str, state: str | None, value: torch.Tensor, start: int) -> None:
+    def add(kind: str, name: str, state: str | None, value: torch.Tensor, slot=None) -> None:
         key = f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}"
         flat = value.detach().reshape(-1)
         items.append(StreamItem(key, flat.dtype, (flat.numel(),), lambda flat=flat: flat))
+        start = 0 if slot is None else slot.start
+        step, origin = _run_pattern(slot)
         records.append(
-            {
-                "kind": kind,
-                "name": name,
-                "state": state,
-                "key": key,
-                "start": start,
-                "end": start + flat.numel(),
-                "dtype": dtype_name(flat.dtype),
-            }
+            (kind, name, state, start, start + flat.numel(), dtype_name(flat.dtype), step, origin)
         )
 
     for slot in slots.slots:
         if slot.saves and slot.end > slot.start:
-            add("param", slot.fqn, None, slot.local, slot.start)
+            add("param", slot.fqn, None, slot.local, slot)
     if is_rank0:
         for name, buffer in slots.buffers.items():
-            add("buffer", name, None, buffer, 0)
+            add("buffer", name, None, buffer)
     if optimizer is not None:
         for slot in (s for group in optimizer_slots(optimizer, slots) for s in group):
             for state, value in optimizer.state.get(slot.local, {}).items():
                 kind = state_kind(slot, state, value)
                 if kind == SHARDED and slot.saves and slot.end > slot.start:
-                    add("optim", slot.fqn, state, value, slot.start)
+                    add("optim", slot.fqn, state, value, slot)
                 elif kind == SCALAR and is_rank0:
-                    add("optim", slot.fqn, state, value, 0)
+                    add("optim", slot.fqn, state, value)
     return items, records  # JSON values of the state go into the index from rank 0's own
+
+
+def _run_pattern(slot: ParamSlot | None) -> tuple[int, int]:
+    """``(step, origin)`` of a sharded slot's piece ([Note: piece runs]); ``(0, 0)`` else."""
+    handle = None if slot is None else slot.handle
+    if handle is None or handle.num_shards == 1:
+        return 0, 0
+    step = handle.layout.shard_numel
+    return step, handle.shard_comm.rank * step - handle.layout.params[slot.index].offset
 
 
 def _commit_index(
@@ -226,22 +257,24 @@ def _strategy_name(slots: ModelSlots) -> str | None:
     return handles[0].strategy.name if handles else None
 
 
-PieceMap = defaultdict[tuple[str, str, "str | None"], list[PieceRef]]
+PieceMap = defaultdict[tuple[str, str, "str | None"], list[SavedPiece]]
 
 
 def _collect_pieces(reports: list[dict]) -> PieceMap:
     """Every rank's saved pieces by ``(kind, name, state)``."""
     pieces: PieceMap = defaultdict(list)
-    for report in reports:
-        for rec in report["records"]:
-            ref = PieceRef(report["file"], rec["key"], rec["start"], rec["end"])
-            pieces[(rec["kind"], rec["name"], rec["state"])].append(ref)
+    for rank, report in enumerate(reports):
+        for kind, name, state, start, end, _, step, origin in report["records"]:
+            key = f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}"
+            saved = SavedPiece(rank, report["file"], key, start, end, step, origin)
+            pieces[(kind, name, state)].append(saved)
     return pieces
 
 
-def _entry(name: str, shape: tuple[int, ...], dtype: str, pieces: list[PieceRef]) -> TensorEntry:
+def _entry(name: str, shape: tuple[int, ...], dtype: str, saved: list[SavedPiece]) -> TensorEntry:
     """An index entry; its pieces must tile the tensor (else the save is refused)."""
-    entry = TensorEntry(shape, dtype, tuple(sorted(pieces, key=lambda p: p.start)))
+    save_id = saved[0].file.split("-", 1)[0] if saved and saved[0].file else ""
+    entry = TensorEntry(shape, dtype, *group_pieces(saved, save_id))
     check_coverage(name, entry)
     return entry
 
@@ -300,8 +333,7 @@ def load_checkpoint(
         result["extra"] = index.extra
         return {}
 
-    reports = comm.all_gather_object(_guarded(load), purpose="checkpoint")
-    _raise_failures("load", root, reports)
+    _settle(comm, "load", root, _guarded(load))
     return result["extra"]
 
 

@@ -172,7 +172,7 @@ def describe(
             tied = f" (tied to {saved})" if saved != name else ""
             lines.append(
                 f"  {name}: {entry.dtype} {list(entry.shape)} {size:,} bytes "
-                f"in {len(entry.pieces)} piece(s){tied}"
+                f"in {entry.num_pieces} piece(s){tied}"
             )
     ok = all(s in ("ok", "not checked") for s in status.values())
     return "\n".join(lines), ok

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -36,19 +35,36 @@ import torch
 
 from ..base.dtypes import BY_NAME
 from ..base.validate import unique_keys
+from .entries import (
+    MAX_ITEMSIZE,
+    CheckpointError,
+    FileEntry,
+    PieceRef,
+    PieceRun,
+    TensorEntry,
+    check_coverage,
+    shard_file_name,
+)
+
+__all__ = [
+    "MAX_ITEMSIZE",
+    "CheckpointError",
+    "FileEntry",
+    "PieceRef",
+    "PieceRun",
+    "TensorEntry",
+    "check_coverage",
+    "shard_file_name",
+]
 
 INDEX_NAME = "index.json"
 FORMAT_NAME = "shardwrap-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: piece runs ([Note: piece runs] in entries.py); 1 still loads
+READABLE_VERSIONS = (1, 2)
 META_KEYS = ("save_id", "world_size", "num_shards", "strategy", "optimizer_class")
 SHARD_FILE_PATTERN = re.compile(r"^[0-9a-f]{16}-rank\d{5}\.safetensors$")
 TEMP_SUFFIX = ".tmp"
 DEFAULT_CHUNK_BYTES = 1 << 22  # 4 MiB: the unit of checksum verification on load
-MAX_ITEMSIZE = 8  # chunks hold whole elements of every supported dtype
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete, corrupt, or does not fit the model."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,10 +80,6 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
     return BY_NAME[name]
 
 
-def shard_file_name(save_id: str, world_rank: int) -> str:
-    return f"{save_id}-rank{world_rank:05d}.safetensors"
-
-
 def chunk_digests(data: memoryview, chunk_bytes: int) -> list[str]:
     """sha256 of each ``chunk_bytes``-sized chunk of ``data`` (the last may be shorter)."""
     return [
@@ -80,108 +92,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's bytes (row-major, native little-endian), without a copy when contiguous."""
     flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
-
-
-# ------------------------------------------------------------------- index records
-@dataclass(frozen=True, slots=True)
-class PieceRef:
-    """Elements ``[start, end)`` of a flattened tensor, stored as ``key`` in ``file``."""
-
-    file: str
-    key: str
-    start: int
-    end: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "key": self.key, "start": self.start, "end": self.end}
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """One original tensor: global shape, dtype and the pieces that hold it."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    pieces: tuple[PieceRef, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "pieces": [p.to_json() for p in self.pieces],
-        }
-
-    @staticmethod
-    def from_json(name: str, raw: Any) -> TensorEntry:
-        try:
-            shape = tuple(int(d) for d in raw["shape"])
-            pieces = tuple(
-                PieceRef(str(p["file"]), str(p["key"]), int(p["start"]), int(p["end"]))
-                for p in raw["pieces"]
-            )
-            entry = TensorEntry(shape, str(raw["dtype"]), pieces)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"index entry {name!r} is malformed: {exc!r}") from exc
-        dtype_from_name(entry.dtype, f"index entry {name!r}")
-        check_coverage(name, entry)
-        return entry
-
-
-def check_coverage(name: str, entry: TensorEntry) -> None:
-    """The pieces of ``entry`` must tile ``[0, numel)`` exactly once (empty pieces ignored)."""
-    spans = sorted((p.start, p.end) for p in entry.pieces if p.end != p.start)
-    position = 0
-    for start, end in spans:
-        if start != position or end < start:
-            raise CheckpointError(
-                f"tensor {name!r}: pieces do not tile [0, {entry.numel}) (gap or overlap at "
-                f"element {position}, next piece [{start}, {end}))"
-            )
-        position = end
-    if position != entry.numel:
-        raise CheckpointError(
-            f"tensor {name!r}: pieces cover {position} of its {entry.numel} elements"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class FileEntry:
-    """One safetensors file of the checkpoint and its checksums.
-
-    Each tensor's bytes are hashed in chunks of ``chunk_bytes``, so that a rank reading a
-    range verifies only the chunks it reads; ``sha256`` covers the whole file (inspect).
-    """
-
-    size: int
-    sha256: str
-    chunk_bytes: int
-    chunk_sha256: dict[str, list[str]]  # tensor key -> digests of its chunks
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "size": self.size,
-            "sha256": self.sha256,
-            "chunk_bytes": self.chunk_bytes,
-            "tensors": self.chunk_sha256,
-        }
-
-    @staticmethod
-    def from_json(name: str, raw: Any) -> FileEntry:
-        try:
-            chunks = {str(k): [str(d) for d in v] for k, v in raw["tensors"].items()}
-            entry = FileEntry(int(raw["size"]), str(raw["sha256"]), int(raw["chunk_bytes"]), chunks)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointError(f"index entry for file {name!r} is malformed: {exc!r}") from exc
-        if entry.chunk_bytes <= 0 or entry.chunk_bytes % MAX_ITEMSIZE:
-            raise CheckpointError(
-                f"index entry for file {name!r}: chunk_bytes {entry.chunk_bytes} is not a "
-                f"positive multiple of {MAX_ITEMSIZE}"
-            )
-        return entry
 
 
 # ------------------------------------------------------------------------ paths
@@ -289,34 +199,36 @@ def _state_to_json(value: TensorEntry | dict[str, Any]) -> dict[str, Any]:
     return value.to_json() if isinstance(value, TensorEntry) else value
 
 
-def _state_from_json(name: str, raw: Any) -> TensorEntry | dict[str, Any]:
+def _state_from_json(name: str, raw: Any, save_id: str) -> TensorEntry | dict[str, Any]:
     if isinstance(raw, dict) and "value" in raw and len(raw) == 1:
         return raw
-    return TensorEntry.from_json(name, raw)
+    return TensorEntry.from_json(name, raw, save_id)
 
 
 def parse_index(root: str, raw: Any) -> CheckpointIndex:
     """Validate the JSON of an index (format, entries, file names) and parse it."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CheckpointError(f"checkpoint {root}: {INDEX_NAME} is not a shardwrap index")
-    if raw.get("version") != FORMAT_VERSION:
+    if raw.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"checkpoint {root}: format version {raw.get('version')!r}, this shardwrap reads "
-            f"version {FORMAT_VERSION}"
+            f"versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
+    save_id = raw.get("save_id", "")
+    if not isinstance(save_id, str):
+        raise _bad(root, f"'save_id' must be a string, not a {type(save_id).__name__}")
     files = {n: FileEntry.from_json(n, v) for n, v in _mapping(root, raw, "files").items()}
     for name in files:
         member_path(root, name)
-    params = {k: TensorEntry.from_json(k, v) for k, v in _mapping(root, raw, "params").items()}
-    buffers = {k: TensorEntry.from_json(k, v) for k, v in _mapping(root, raw, "buffers").items()}
-    optim_state, param_groups = _parse_optimizer(root, raw.get("optimizer"))
-    for entry in _all_entries(params, buffers, optim_state):
-        for piece in entry.pieces:
-            if piece.file not in files:
-                member_path(root, piece.file)
-                raise CheckpointError(
-                    f"checkpoint {root}: a piece names file {piece.file!r}, absent from the index"
-                )
+
+    def entries(key: str) -> dict[str, TensorEntry]:
+        return {
+            k: TensorEntry.from_json(k, v, save_id) for k, v in _mapping(root, raw, key).items()
+        }
+
+    params, buffers = entries("params"), entries("buffers")
+    optim_state, param_groups = _parse_optimizer(root, raw.get("optimizer"), save_id)
+    _check_files_named(root, files, save_id, _all_entries(params, buffers, optim_state))
     meta = {k: raw[k] for k in META_KEYS if k in raw}
     aliases = _mapping(root, raw, "aliases")
     if not all(isinstance(v, str) for v in aliases.values()):
@@ -324,6 +236,36 @@ def parse_index(root: str, raw: Any) -> CheckpointIndex:
     return CheckpointIndex(
         meta, params, aliases, buffers, optim_state, param_groups, files, raw.get("extra")
     )
+
+
+def _check_files_named(root: str, files: dict, save_id: str, all_entries) -> None:
+    """Every piece, listed or in a run, must name a file of the index."""
+    ranks = sorted(r for r in range(len(files)) if shard_file_name(save_id, r) in files)
+    contiguous = ranks == list(range(len(ranks)))
+    for entry in all_entries:
+        for piece in entry.pieces:
+            if piece.file not in files:
+                member_path(root, piece.file)
+                raise CheckpointError(
+                    f"checkpoint {root}: a piece names file {piece.file!r}, absent from the index"
+                )
+        for run in entry.runs:
+            missing = [
+                r
+                for r in (run.first_rank, run.last_rank)
+                if shard_file_name(save_id, r) not in files
+            ]
+            if missing or not contiguous:  # not contiguous: check each rank (rare, slow)
+                missing += [
+                    r
+                    for r in range(run.first_rank, run.last_rank + 1)
+                    if shard_file_name(save_id, r) not in files
+                ]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {root}: a piece run of key {run.key!r} names file "
+                    f"{shard_file_name(save_id, missing[0])!r}, absent from the index"
+                )
 
 
 def _bad(root: str, text: str) -> CheckpointError:
@@ -339,7 +281,7 @@ def _mapping(root: str, raw: dict, key: str, what: str | None = None) -> dict[st
     return dict(value)
 
 
-def _parse_optimizer(root: str, optim: Any):
+def _parse_optimizer(root: str, optim: Any, save_id: str):
     """``optimizer``: ``{"state": {param: {state: entry}}, "param_groups": [{...}]}``."""
     if optim is None:
         return None, None
@@ -348,7 +290,9 @@ def _parse_optimizer(root: str, optim: Any):
     optim_state = {}
     for name in _mapping(root, optim, "state", "'optimizer.state'"):
         states = _mapping(root, optim["state"], name, f"'optimizer.state.{name}'")
-        optim_state[name] = {k: _state_from_json(f"{name}/{k}", v) for k, v in states.items()}
+        optim_state[name] = {
+            k: _state_from_json(f"{name}/{k}", v, save_id) for k, v in states.items()
+        }
     groups = optim["param_groups"]
     if not isinstance(groups, list):
         kind = type(groups).__name__
@@ -393,4 +337,7 @@ def read_index(root: str) -> CheckpointIndex:
 
 
 def index_bytes(index: CheckpointIndex) -> bytes:
-    return json.dumps(index.to_json(), indent=1, sort_keys=False).encode("utf-8")
+    """The index as JSON, one top-level key per line (compact inside: it can be large)."""
+    raw = index.to_json()
+    lines = [f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in raw.items()]
+    return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")

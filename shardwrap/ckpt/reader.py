@@ -54,7 +54,7 @@ class CheckpointReader:
                 f"tensor {name!r}: range [{start}, {end}) outside its {entry.numel} elements"
             )
         dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
-        overlapping = [p for p in entry.pieces if min(end, p.end) > max(start, p.start)]
+        overlapping = entry.overlapping(start, end)
         if len(overlapping) == 1:  # the common case: no extra copy
             piece = overlapping[0]
             return self._piece_range(name, piece, start - piece.start, end - piece.start, dtype)

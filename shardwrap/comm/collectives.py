@@ -9,10 +9,10 @@ not recorded, because nothing is moved.
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,16 @@ import torch.distributed as dist
 from ..base import at_exit
 from ..base.validate import check_int
 from . import pairwise
+from .checks import CollectiveChecker, CollectiveMismatchError, RankDisagreementError
+
+__all__ = [
+    "CollectiveChecker",
+    "CollectiveMismatchError",
+    "CommLedger",
+    "CommRecord",
+    "Communicator",
+    "RankDisagreementError",
+]
 
 ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")
 
@@ -222,6 +232,20 @@ class Communicator:
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
         return gathered
 
+    def gather_object(self, obj: object, *, purpose: str, dst_rank: int = 0) -> list | None:
+        """Every rank's ``obj`` on group rank ``dst_rank`` (by rank); ``None`` on the others.
+
+        Recorded with the pickled size of this rank's ``obj``: what it sends.
+        """
+        if self.size == 1:
+            return [obj]
+        self._check_not_released()
+        gathered: list[object] | None = [None] * self.size if self.rank == dst_rank else None
+        dist.gather_object(obj, gathered, group=self.group, group_dst=dst_rank)
+        size = len(pickle.dumps(obj))
+        self.ledger.record(CommRecord("gather_object", purpose, size, self.size))
+        return gathered
+
     def _pairwise(self, tensor: torch.Tensor) -> bool:
         """Whether to run an all-gather or reduce-scatter as pairwise exchanges.
 
@@ -252,51 +276,6 @@ class Communicator:
         if not self.ledger.time_collectives:
             return work
         return _TimedWork(work, self.ledger, self.ledger.records[-1], start)
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks were about to issue different collectives (the run would have hung)."""
-
-
-class CollectiveChecker:
-    """Debug aid: before each collective, every rank confirms it is about to run the same one.
-
-    [Note: hangs become errors]
-    A rank that takes another branch issues a different collective (or one for another
-    unit) and the job hangs until the process-group timeout. With a checker, each rank
-    first shares a small signature (unit, kind, purpose, element count, dtype) over the
-    world group; any difference raises :class:`CollectiveMismatchError` on every rank,
-    naming the first rank that differs from rank 0 and the units involved. On gloo a
-    monitored barrier first names ranks that never reach the check at all. It costs one
-    small object all-gather per collective, so it is off unless asked for.
-    """
-
-    def __init__(self, timeout_s: float = 60.0) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.timeout_s = timeout_s
-        self.num_checked = 0
-
-    def check(self, kind: str, purpose: str, unit: str, tensor: torch.Tensor, size: int) -> None:
-        mine = (unit, kind, purpose, tensor.numel(), str(tensor.dtype), size)
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
-        signatures: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(signatures, mine)
-        self.num_checked += 1
-        for rank, theirs in enumerate(signatures):
-            if theirs != signatures[0]:
-                raise CollectiveMismatchError(
-                    f"collective #{self.num_checked} diverged first at rank {rank}: rank 0 is "
-                    f"about to run {_describe(signatures[0])}, rank {rank} {_describe(theirs)} "
-                    f"(this rank, {dist.get_rank()}: {_describe(mine)}). A rank took another "
-                    "branch through the model; every rank must run the same units in order."
-                )
-
-
-def _describe(signature: object) -> str:
-    unit, kind, purpose, numel, dtype, _ = signature  # type: ignore[misc]
-    return f"{kind} of {purpose} for unit {unit or '<root>'!r} ({numel} x {dtype})"
 
 
 class _TimedWork:

@@ -7,6 +7,7 @@ import copy
 import errno
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -98,7 +99,8 @@ def test_a_parameter_listed_twice_is_refused(adamw_checkpoint, tmp_path):
         raw = json.loads(text)
         other = raw["params"]["body.0.weight"]
         entry = json.dumps({**other, "pieces": raw["params"]["head.weight"]["pieces"]})
-        return text.replace('"head.weight": {', f'"head.weight": {entry}, "head.weight": {{', 1)
+        doubled = f'"head.weight": {entry}, "head.weight": {{'
+        return re.sub(r'"head\.weight":\s*\{', lambda _: doubled, text, count=1)
 
     folder = _edited(adamw_checkpoint, str(tmp_path / "twice"), doubled)
     _refused(folder, "adamw", f"{folder}/index.json: key 'head.weight' is given twice")
