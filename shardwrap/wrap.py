@@ -15,6 +15,7 @@ from . import hooks
 from .base.records import as_record
 from .base.validate import check_bool
 from .build import casts as precision
+from .build.agreement import agreed_options
 from .build.comms import root_comms
 from .build.fsdp_units import FSDP1Attributes, FSDPMeta, as_fsdp_unit
 from .build.nesting import absorb_nested, check_not_wrapped
@@ -148,6 +149,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
                 self.disk_store.allocate if self.disk_store else host_staging_for(cpu_offload)
             ),
             threshold=self.param_persistence_threshold,
+            options=agreed_options(self, sync_module_states),
         )
         if self.disk_store is not None:
             self.disk_store.attach(u.handle for u in new_units)

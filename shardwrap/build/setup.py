@@ -20,6 +20,7 @@ from ..options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy
 from ..policies import select_units
 from . import casts as precision
 from . import optimizer_guard
+from .agreement import check_plan, plan_entries
 from .comms import RootComms, UnitComms
 from .deferred_init import UnitMaterializer, has_meta
 from .units import build_unit
@@ -143,10 +144,13 @@ def shard_root(
     mixed_precision: MixedPrecision | None,
     shard_allocator: ShardAllocator | None,
     threshold: int,
+    options: str,
 ) -> tuple[list[Unit], list[nn.Module]]:
     """Shard ``module`` into units (``absorbed`` ones aside): the new units, and the
     modules that mixed precision leaves in full precision. ``shard_allocator``: where
     shards live (``None``: on the device); ``threshold``: see [Note: parameter persistence].
+    Before any collective, every rank checks that all plan the same (``options``: the rest
+    of what they must agree on; see [Note: rank agreement]).
     """
     deferred = has_meta(module)
     device = torch.device("cpu") if device_id is None else torch.device(device_id)
@@ -162,6 +166,15 @@ def shard_root(
     if not deferred:
         check_one_device(records)
     owned = assign_params(module, unit_modules, records)
+    entries = plan_entries(
+        module,
+        unit_modules,
+        owned,
+        strategy=strategy,
+        mixed_precision=mixed_precision,
+        full_precision=full_precision,
+    )
+    check_plan(comms, entries, f"{options}, persistence threshold {threshold}")
     del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
     materializer = UnitMaterializer(
         module,

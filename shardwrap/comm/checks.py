@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import hashlib
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from .collectives import Communicator
 
 DIGEST_BITS = 60  # two 30-bit halves fit int32 words, negated too
 _HALF = 30
@@ -69,7 +66,7 @@ def words_agree(reduced: list[int]) -> bool:
     return high_max == -neg_high_min and low_max == -neg_low_min
 
 
-def check_agreement(comm: Communicator, entries: Entries, what: str) -> None:
+def check_agreement(comm: Any, entries: Entries, what: str) -> None:
     """Raise :class:`RankDisagreementError` on every rank of ``comm`` unless all ranks
     pass equal ``entries``. Costs one all-reduce of 16 bytes when they agree."""
     value = digest(entries)
@@ -79,7 +76,7 @@ def check_agreement(comm: Communicator, entries: Entries, what: str) -> None:
         raise_disagreement(comm, entries, what)
 
 
-def raise_disagreement(comm: Communicator, entries: Entries, what: str) -> None:
+def raise_disagreement(comm: Any, entries: Entries, what: str) -> None:
     """On the failure path: gather every rank's entries and name where they part."""
     everyone: list = comm.all_gather_object(entries, purpose="agreement")
     reference = everyone[0]

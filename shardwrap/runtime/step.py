@@ -34,11 +34,14 @@ from torch.optim.optimizer import (
 )
 
 from ..base.torch_compat import queue_backward_callback
+from ..comm.checks import digest, digest_words, raise_disagreement, words_agree
 from ..comm.collectives import Communicator
 from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle
 from . import registry
 from .schedule import Schedule
+
+NUM_DIGEST_WORDS = 4  # appended to the presence vote: see [Note: rank agreement]
 
 
 def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
@@ -60,15 +63,20 @@ class _PresenceVote:
     flags: torch.Tensor  # int32, one per parameter of ``handles``, in order
     handles: list[FlatParamHandle]
 
-    def finish(self) -> None:
-        """Wait, then hand each handle's reduced gradient to the shard views that got one."""
+    def finish(self) -> bool:
+        """Wait, then hand each handle's reduced gradient to the shard views that got one.
+
+        Returns whether every rank ran the same units ([Note: rank agreement]).
+        """
         self.work.wait()
-        flags = [bool(f) for f in self.flags.tolist()]
+        reduced = self.flags.tolist()
+        flags = [bool(f) for f in reduced[:-NUM_DIGEST_WORDS]]
         start = 0
         for handle in self.handles:
             count = len(handle.grads.local_grad_present)
             handle.grads.assign_grads(flags[start : start + count])
             start += count
+        return words_agree(reduced[-NUM_DIGEST_WORDS:])
 
 
 class StepRuntime:
@@ -80,11 +88,14 @@ class StepRuntime:
         self.schedule = schedule
         self.sync_grads = True
         self.execution_order: list[Unit] = []  # units in first-forward order this step
+        # Units run (names, in order) since the last presence vote checked them.
+        self.units_run: list[str] = []
         self._finalize_queued = False
         # ZeRO-1: a ``no_sync`` backward left full local gradients that no synchronising
         # backward reduced since; the optimizer step reduces them.
         self.deferred_grads_pending = False
         self._step_hooks: list = []
+        self._checked_entries: list[tuple[str, str]] = []  # what the last vote checked
         # id(shard view) -> its handle, for the optimizer step hooks; the views live as long
         # as their handle, so ids stay valid.
         self._handle_of_shard = {
@@ -129,6 +140,7 @@ class StepRuntime:
     def finalize_backward(self) -> None:
         """End of backward: reduce the units autograd did not reach, then vote on presence."""
         self._finalize_queued = False
+        self.units_run.extend(u.name for u in self.execution_order)
         self._update_deferred_pending()
         for unit in reversed(self.execution_order):
             if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
@@ -140,11 +152,12 @@ class StepRuntime:
             # and its round trip overlaps the wait for the reductions still in flight.
             vote = self.start_vote(self.units)
         self.schedule.end_step(self.execution_order)
-        if vote is not None:
-            vote.finish()
+        agreed = vote.finish() if vote is not None else True
         for unit in self.units:
             unit.end_step()
         self.execution_order.clear()
+        if not agreed:
+            self.report_disagreement()
 
     def post_backward(self, unit: Unit) -> None:
         """Reduce ``unit``'s gradients (unless under ``no_sync``) and reshard it.
@@ -192,19 +205,35 @@ class StepRuntime:
     def vote_and_assign(self, units: list[Unit]) -> None:
         """All-reduce per-parameter presence flags and hand reduced grads to shard views."""
         vote = self.start_vote(units)
-        if vote is not None:
-            vote.finish()
+        if vote is not None and not vote.finish():
+            self.report_disagreement()
 
     def start_vote(self, units: list[Unit]) -> _PresenceVote | None:
         """Issue the presence vote of ``units`` (see [Note: gradient presence])."""
         handles = [u.handle for u in units if u.handle is not None]
         if not handles:
             return None
+        entries = self._run_entries()
+        self.units_run.clear()
+        self._checked_entries = entries
+        words = digest_words(digest(entries))
         flags = torch.tensor(
-            [int(f) for h in handles for f in h.grads.local_grad_present], dtype=torch.int32
+            [int(f) for h in handles for f in h.grads.local_grad_present] + words,
+            dtype=torch.int32,
         )
         work = self.world_comm.all_reduce(flags, purpose="grad_presence", op=dist.ReduceOp.MAX)
         return _PresenceVote(work, flags, handles)
+
+    def _run_entries(self) -> list[tuple[str, str]]:
+        return [
+            (f"unit #{i + 1} run", f"unit {n or '(root)'!r}") for i, n in enumerate(self.units_run)
+        ]
+
+    def report_disagreement(self) -> None:
+        """The vote's digests differ: name the first rank and unit run that differ."""
+        raise_disagreement(
+            self.world_comm, self._checked_entries, "the units run since the last check"
+        )
 
     # ----------------------------------------------------- ZeRO-1 step hooks
     def reduce_deferred_grads(self) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
+from shardwrap.runtime.step import NUM_DIGEST_WORDS
 from tests import models
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
 from tests.dist.parity import build_model, make_optimizer, wrap_policy
@@ -66,8 +67,9 @@ def test_traffic_per_step_equals_theory(strategy: str, world_size: int) -> None:
         expected[("reduce_scatter", "grads")] = (scatters * units, scatters * size)
     if reduces:  # trainable parameters alone ([Note: packed gradients])
         expected[("all_reduce", "grads")] = (reduces, result["trainable_bytes"])
-    # one small vote per step on which parameters got a gradient (int32 flags)
-    expected[("all_reduce", "grad_presence")] = (1, 4 * result["num_params"])
+    # one small vote per step on which parameters got a gradient (int32 flags), with the
+    # digest of the units run ([Note: rank agreement])
+    expected[("all_reduce", "grad_presence")] = (1, 4 * (result["num_params"] + NUM_DIGEST_WORDS))
     assert summary == expected
 
 
