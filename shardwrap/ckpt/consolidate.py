@@ -163,7 +163,7 @@ def describe(
     status = verify_files(checkpoint, index) if verify else {f: "not checked" for f in index.files}
     for file, entry in sorted(index.files.items()):
         lines.append(
-            f"file {file}: {entry.size:,} bytes, {len(entry.chunk_sha256)} tensors, "
+            f"file {file}: {entry.size:,} bytes, {entry.num_chunks} checksum chunks, "
             f"checksum {status[file]}"
         )
     if list_tensors:

@@ -237,27 +237,41 @@ def group_pieces(
 class FileEntry:
     """One safetensors file of the checkpoint and its checksums.
 
-    Each tensor's bytes are hashed in chunks of ``chunk_bytes``, so that a rank reading a
-    range verifies only the chunks it reads; ``sha256`` covers the whole file (inspect).
+    The file is hashed in chunks of ``chunk_bytes`` (format 2: ``chunks``, a list over
+    the whole file; format 1: ``tensors``, each tensor apart, by key), so that a rank
+    reading a range verifies only the chunks it reads; ``sha256`` covers the whole file
+    (inspect).
     """
 
     size: int
     sha256: str
     chunk_bytes: int
-    chunk_sha256: dict[str, list[str]]  # tensor key -> digests of its chunks
+    chunk_sha256: list[str] | dict[str, list[str]]  # file chunks, or (format 1) by key
+
+    @property
+    def num_chunks(self) -> int:
+        chunks = self.chunk_sha256
+        return sum(map(len, chunks.values())) if isinstance(chunks, dict) else len(chunks)
 
     def to_json(self) -> dict[str, Any]:
+        name = "tensors" if isinstance(self.chunk_sha256, dict) else "chunks"
         return {
             "size": self.size,
             "sha256": self.sha256,
             "chunk_bytes": self.chunk_bytes,
-            "tensors": self.chunk_sha256,
+            name: self.chunk_sha256,
         }
 
     @staticmethod
     def from_json(name: str, raw: Any) -> FileEntry:
         try:
-            chunks = {str(k): [str(d) for d in v] for k, v in raw["tensors"].items()}
+            chunks: list[str] | dict[str, list[str]]
+            if "chunks" in raw:
+                if not isinstance(raw["chunks"], list):
+                    raise TypeError("'chunks' must be a list")
+                chunks = [str(d) for d in raw["chunks"]]
+            else:
+                chunks = {str(k): [str(d) for d in v] for k, v in raw["tensors"].items()}
             entry = FileEntry(int(raw["size"]), str(raw["sha256"]), int(raw["chunk_bytes"]), chunks)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"index entry for file {name!r} is malformed: {exc!r}") from exc

@@ -80,12 +80,41 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
     return BY_NAME[name]
 
 
-def chunk_digests(data: memoryview, chunk_bytes: int) -> list[str]:
-    """sha256 of each ``chunk_bytes``-sized chunk of ``data`` (the last may be shorter)."""
-    return [
-        hashlib.sha256(data[start : start + chunk_bytes]).hexdigest()
-        for start in range(0, len(data), chunk_bytes)
-    ]
+class ChunkHasher:
+    """sha256 of each ``chunk_bytes``-sized chunk of a byte stream fed in any pieces.
+
+    Format 2 hashes each file in chunks from its first byte (header included), whatever
+    the tensors in it: a file of B bytes has ``ceil(B / chunk_bytes)`` digests, however
+    many pieces it holds. (Format 1 hashed each tensor apart: one digest at least per
+    piece, which made the index grow with the number of ranks.)
+    """
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.digests: list[str] = []
+        self._current = hashlib.sha256()
+        self._filled = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        position = 0
+        while position < len(view):
+            take = min(self.chunk_bytes - self._filled, len(view) - position)
+            self._current.update(view[position : position + take])
+            self._filled += take
+            position += take
+            if self._filled == self.chunk_bytes:
+                self._close_chunk()
+
+    def finish(self) -> list[str]:
+        if self._filled:
+            self._close_chunk()
+        return self.digests
+
+    def _close_chunk(self) -> None:
+        self.digests.append(self._current.hexdigest())
+        self._current = hashlib.sha256()
+        self._filled = 0
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

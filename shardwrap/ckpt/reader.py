@@ -9,7 +9,9 @@ flipped byte or a truncated file is reported with the file and the tensor it hit
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
 from typing import Any
 
 import torch
@@ -36,7 +38,8 @@ class CheckpointReader:
         # streaming reader (consolidation) drops each file after each piece instead.
         self.keep_files_open = keep_files_open
         self._open: dict[str, Any] = {}  # file name -> safe_open handle
-        self._verified: set[tuple[str, str, int]] = set()  # (file, key, chunk) checked
+        self._verified: set[tuple[str, str, int]] = set()  # (file, key or "", chunk) checked
+        self._offsets: dict[str, dict[str, int]] = {}  # file -> key -> first byte
 
     def close(self) -> None:
         self._open.clear()
@@ -71,11 +74,63 @@ class CheckpointReader:
     def _piece_range(
         self, name: str, piece: PieceRef, first: int, last: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        """Elements ``[first, last)`` of a stored piece, reading and verifying whole chunks."""
+        """Elements ``[first, last)`` of a stored piece, verifying the chunks that hold them."""
         where = f"checkpoint {self.root}: file {piece.file!r}, tensor {name!r} (key {piece.key!r})"
         file_entry = self.index.files[piece.file]
-        digests = file_entry.chunk_sha256.get(piece.key)
         numel = piece.end - piece.start
+        if isinstance(file_entry.chunk_sha256, dict):  # format 1: chunks of each tensor
+            return self._piece_range_v1(where, piece, first, last, numel, dtype)
+        data = self._read_slice(where, piece, first, last, numel, dtype)
+        offset = self._data_offset(piece.file, piece.key, where)
+        itemsize = data.element_size()
+        self._verify_file_bytes(
+            where, piece.file, offset + first * itemsize, last - first, itemsize
+        )
+        return data
+
+    def _verify_file_bytes(self, where: str, file: str, start: int, count: int, itemsize: int):
+        """Check the file's chunks that hold ``count`` elements from byte ``start``."""
+        entry = self.index.files[file]
+        size, digests = entry.chunk_bytes, entry.chunk_sha256
+        chunks = range(start // size, -(-(start + count * itemsize) // size))
+        todo = [c for c in chunks if (file, "", c) not in self._verified]
+        if not todo:
+            return
+        if todo[-1] >= len(digests):
+            raise CheckpointError(f"{where}: the index lacks its checksums")
+        with open(member_path(self.root, file), "rb") as handle:
+            for chunk in todo:
+                handle.seek(chunk * size)
+                if hashlib.sha256(handle.read(size)).hexdigest() != digests[chunk]:
+                    raise CheckpointError(
+                        f"{where}: checksum mismatch in bytes {chunk * size}..{(chunk + 1) * size} "
+                        "of the file (the file is corrupt)"
+                    )
+                self._verified.add((file, "", chunk))
+
+    def _data_offset(self, file: str, key: str, where: str) -> int:
+        """Where tensor ``key``'s bytes start in ``file`` (from its safetensors header)."""
+        if file not in self._offsets:
+            path = member_path(self.root, file)
+            try:
+                with open(path, "rb") as handle:
+                    (length,) = struct.unpack("<Q", handle.read(8))
+                    header = json.loads(handle.read(length))
+                self._offsets[file] = {
+                    k: 8 + length + int(v["data_offsets"][0])
+                    for k, v in header.items()
+                    if k != "__metadata__"
+                }
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+                raise CheckpointError(f"{where}: unreadable safetensors header ({exc})") from exc
+        if key not in self._offsets[file]:
+            raise CheckpointError(f"{where}: the file holds no tensor {key!r}")
+        return self._offsets[file][key]
+
+    def _piece_range_v1(self, where: str, piece: PieceRef, first: int, last: int, numel, dtype):
+        """Format 1: each tensor hashed apart; read and verify whole chunks of the tensor."""
+        file_entry = self.index.files[piece.file]
+        digests = file_entry.chunk_sha256.get(piece.key)  # type: ignore[union-attr]
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_chunk = file_entry.chunk_bytes // itemsize
         if digests is None or len(digests) != -(-numel // per_chunk):

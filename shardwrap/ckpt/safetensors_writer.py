@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base.dtypes import SAFETENSORS_CODES
-from .format import DEFAULT_CHUNK_BYTES, TEMP_SUFFIX, chunk_digests, fsync_dir, tensor_bytes
+from .format import DEFAULT_CHUNK_BYTES, TEMP_SUFFIX, ChunkHasher, fsync_dir, tensor_bytes
 
 _ALIGN = 8
 
@@ -46,7 +46,7 @@ class WrittenFile:
     size: int
     sha256: str
     chunk_bytes: int
-    chunk_sha256: dict[str, list[str]]  # tensor key -> digests of its chunks
+    chunk_sha256: list[str]  # digests of the file's chunks (see ChunkHasher)
 
 
 def header_bytes(items: list[StreamItem], metadata: dict[str, str] | None) -> bytes:
@@ -83,7 +83,7 @@ def write_stream(
     temp = os.path.join(folder, f".{name}{TEMP_SUFFIX}")
     head = header_bytes(items, metadata)
     try:
-        size, file_digest, tensor_digests = _write_temp(temp, head, items, chunk_bytes)
+        size, file_digest, chunk_digests = _write_temp(temp, head, items, chunk_bytes)
         os.replace(temp, path)
         fsync_dir(folder or ".")
     except OSError as exc:
@@ -92,24 +92,25 @@ def write_stream(
     except BaseException:
         _remove_quietly(temp)
         raise
-    return WrittenFile(size, file_digest.hexdigest(), chunk_bytes, tensor_digests)
+    return WrittenFile(size, file_digest.hexdigest(), chunk_bytes, chunk_digests)
 
 
 def _write_temp(temp: str, head: bytes, items: list[StreamItem], chunk_bytes: int):
     file_digest = hashlib.sha256(head)
-    tensor_digests: dict[str, list[str]] = {}
+    chunks = ChunkHasher(chunk_bytes)
+    chunks.update(head)
     size = len(head)
     with open(temp, "wb") as handle:
         handle.write(head)
         for item in items:
             data = _raw_bytes(item)
-            tensor_digests[item.key] = chunk_digests(data, chunk_bytes)
+            chunks.update(data)
             file_digest.update(data)
             handle.write(data)
             size += len(data)
         handle.flush()
         os.fsync(handle.fileno())
-    return size, file_digest, tensor_digests
+    return size, file_digest, chunks.finish()
 
 
 def _remove_quietly(path: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from shardwrap.ckpt.format import (
     INDEX_NAME,
     CheckpointError,
     CheckpointIndex,
+    ChunkHasher,
     FileEntry,
     PieceRef,
     TensorEntry,
@@ -129,7 +131,7 @@ def test_reader_returns_ranges_across_pieces(tmp_path):
 
 
 def test_reader_names_file_and_tensor_of_a_flipped_byte(tmp_path):
-    _one_file_checkpoint(str(tmp_path), torch.randn(6, 5))
+    _one_file_checkpoint(str(tmp_path), torch.randn(6, 5), chunk_bytes=16)
     (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".safetensors"]
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01  # inside the last tensor's bytes
@@ -140,25 +142,34 @@ def test_reader_names_file_and_tensor_of_a_flipped_byte(tmp_path):
         entry = index.params["w"]
         reader.read_range("w", entry, 0, 15)  # the first piece is intact
         with pytest.raises(CheckpointError, match=rf"{path.name}.*'w'.*checksum mismatch"):
-            reader.read_range("w", entry, 14, 16)
+            reader.read_range("w", entry, 14, 30)
 
 
 def test_reader_verifies_only_the_chunks_it_reads(tmp_path):
-    tensor = torch.randn(6, 5)  # pieces of 15 elements; chunks of 4 elements (16 bytes)
+    tensor = torch.randn(6, 5)  # pieces of 15 elements; file chunks of 16 bytes
     _one_file_checkpoint(str(tmp_path), tensor, chunk_bytes=16)
     (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".safetensors"]
     data = bytearray(path.read_bytes())
-    data[-30] ^= 0x01  # second piece: element 15 - 8 = 7 of 15 (chunk 1, bytes 16..32)
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    second = 8 + length + header["param/w/1"]["data_offsets"][0]  # w's element 15
+    flipped = second + 4 * 7 + 1  # inside w's element 22
+    data[flipped] ^= 0x01
     path.write_bytes(bytes(data))
+    bad = flipped // 16  # the one file chunk that no longer matches
+    element_bytes = {e: second + 4 * (e - 15) for e in range(15, 30)}
+    in_bad = {e for e, at in element_bytes.items() if at // 16 <= bad <= (at + 3) // 16}
     index = read_index(str(tmp_path))
     flat = tensor.reshape(-1)
     with CheckpointReader(str(tmp_path), index) as reader:
         entry = index.params["w"]
-        for lo, hi in ((0, 19), (23, 27), (27, 30)):  # chunks 0, 2 and 3 are intact
+        intact = [(0, min(in_bad)), (max(in_bad) + 1, 30)]
+        for lo, hi in intact:  # every chunk these touch is intact
             got = reader.read_range("w", entry, lo, hi)
             torch.testing.assert_close(got, flat[lo:hi], rtol=0, atol=0)
-        with pytest.raises(CheckpointError, match=r"'w'.*checksum mismatch in bytes 16..32 of"):
-            reader.read_range("w", entry, 22, 24)
+        expected = rf"'w'.*checksum mismatch in bytes {bad * 16}..{bad * 16 + 16} of the file"
+        with pytest.raises(CheckpointError, match=expected):
+            reader.read_range("w", entry, 22, 23)
 
 
 def test_reader_reports_a_truncated_file(tmp_path):
@@ -248,4 +259,33 @@ def test_read_index_refuses_a_key_given_twice(tmp_path):
     assert doubled != text
     (tmp_path / INDEX_NAME).write_text(doubled)
     with pytest.raises(CheckpointError, match=rf"{tmp_path}/index.json: key 'w' is given twice"):
+        read_index(str(tmp_path))
+
+
+def test_a_format_1_index_still_loads(tmp_path):
+    """Format 1 hashed each tensor apart and listed every piece; such folders still load."""
+    tensor = torch.randn(6, 5)
+    index = _one_file_checkpoint(str(tmp_path), tensor, chunk_bytes=16)
+    (name,) = index.files
+    stored = load_file(str(tmp_path / name))
+    by_key = {}
+    for key, value in stored.items():
+        hasher = ChunkHasher(16)
+        hasher.update(value.numpy().tobytes())
+        by_key[key] = hasher.finish()
+    raw = index.to_json()
+    raw["version"] = 1
+    raw["files"][name] = {**raw["files"][name], "tensors": by_key}
+    del raw["files"][name]["chunks"]
+    (tmp_path / INDEX_NAME).write_text(json.dumps(raw))
+    old = read_index(str(tmp_path))
+    assert isinstance(old.files[name].chunk_sha256, dict)
+    with CheckpointReader(str(tmp_path), old) as reader:
+        got = reader.read_full("w", old.params["w"])
+    torch.testing.assert_close(got, tensor, rtol=0, atol=0)
+    raw["version"] = 3
+    (tmp_path / INDEX_NAME).write_text(json.dumps(raw))
+    with pytest.raises(
+        CheckpointError, match="format version 3, this shardwrap reads versions 1, 2"
+    ):
         read_index(str(tmp_path))
