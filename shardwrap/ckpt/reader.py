@@ -104,9 +104,20 @@ class CheckpointReader:
                 if hashlib.sha256(handle.read(size)).hexdigest() != digests[chunk]:
                     raise CheckpointError(
                         f"{where}: checksum mismatch in bytes {chunk * size}..{(chunk + 1) * size} "
-                        "of the file (the file is corrupt)"
+                        f"of the file, {self._keys_in(file, chunk * size, (chunk + 1) * size)} "
+                        "(the file is corrupt)"
                     )
                 self._verified.add((file, "", chunk))
+
+    def _keys_in(self, file: str, start: int, end: int) -> str:
+        """Which tensors bytes ``[start, end)`` of ``file`` hold, for an error message."""
+        offsets = sorted(self._offsets.get(file, {}).items(), key=lambda item: item[1])
+        ends = [at for _, at in offsets[1:]] + [end]
+        keys = [k for (k, at), stop in zip(offsets, ends, strict=True) if at < end and stop > start]
+        if not keys:
+            return "its header"
+        shown = ", ".join(repr(k) for k in keys[:8])
+        return f"which hold {shown}" + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
     def _data_offset(self, file: str, key: str, where: str) -> int:
         """Where tensor ``key``'s bytes start in ``file`` (from its safetensors header)."""

@@ -235,16 +235,30 @@ class Communicator:
     def gather_object(self, obj: object, *, purpose: str, dst_rank: int = 0) -> list | None:
         """Every rank's ``obj`` on group rank ``dst_rank`` (by rank); ``None`` on the others.
 
-        Recorded with the pickled size of this rank's ``obj``: what it sends.
+        Unlike torch's ``gather_object`` (which all-gathers every rank's size first), what a
+        rank other than ``dst_rank`` receives does not grow with the group: an all-reduce
+        of the largest size (8 bytes), then a gather of the pickled objects padded to it.
+        Recorded as that all-reduce and a ``gather_object`` of this rank's pickled bytes.
         """
         if self.size == 1:
             return [obj]
-        self._check_not_released()
-        gathered: list[object] | None = [None] * self.size if self.rank == dst_rank else None
-        dist.gather_object(obj, gathered, group=self.group, group_dst=dst_rank)
-        size = len(pickle.dumps(obj))
-        self.ledger.record(CommRecord("gather_object", purpose, size, self.size))
-        return gathered
+        payload = pickle.dumps(obj)
+        largest = torch.tensor([len(payload)], dtype=torch.int64)
+        self.all_reduce(largest, purpose=purpose, op=dist.ReduceOp.MAX).wait()
+        framed = torch.zeros(8 + int(largest), dtype=torch.uint8)
+        framed[:8] = torch.frombuffer(
+            bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8
+        )
+        framed[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        staged = self._stage(framed)
+        gathered = (
+            [torch.empty_like(staged) for _ in range(self.size)] if self.rank == dst_rank else None
+        )
+        dist.gather(staged, gathered, group=self.group, group_dst=dst_rank)
+        self.ledger.record(CommRecord("gather_object", purpose, len(payload), self.size))
+        if gathered is None:
+            return None
+        return [_unframe(t.cpu()) for t in gathered]
 
     def _pairwise(self, tensor: torch.Tensor) -> bool:
         """Whether to run an all-gather or reduce-scatter as pairwise exchanges.
@@ -276,6 +290,13 @@ class Communicator:
         if not self.ledger.time_collectives:
             return work
         return _TimedWork(work, self.ledger, self.ledger.records[-1], start)
+
+
+def _unframe(framed: torch.Tensor) -> object:
+    """The object a rank framed for :meth:`Communicator.gather_object`."""
+    raw = framed.numpy().tobytes()
+    length = int.from_bytes(raw[:8], "little")
+    return pickle.loads(raw[8 : 8 + length])  # noqa: S301 - from our own ranks
 
 
 class _TimedWork:
