@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import shardwrap  # noqa: E402
 from shardwrap import checkpoint  # noqa: E402
+from shardwrap.base.gc_pause import gc_paused  # noqa: E402
 from shardwrap.ckpt import slots as ckpt_slots  # noqa: E402
 from shardwrap.ckpt.format import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
@@ -202,7 +203,8 @@ def measure(shape: LlamaShape, world_size: int, format_1: bool) -> dict:
         received = [len(pickle.dumps(r)) for r in reports]
         with tempfile.TemporaryDirectory() as root:
             start = time.perf_counter()
-            checkpoint._commit_index(root, SAVE_ID, slots, optimizer, reports, None)
+            with gc_paused():  # as save_checkpoint builds it
+                checkpoint._commit_index(root, SAVE_ID, slots, optimizer, reports, None)
             build_s = time.perf_counter() - start
             index_path = os.path.join(root, "index.json")
             index_size = os.path.getsize(index_path)

@@ -3,6 +3,7 @@
 from . import comm
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .ckpt.pretrained import load_pretrained
+from .comm.checks import RankDisagreementError
 from .comm.groups import hybrid_process_groups
 from .comm.launch import init_distributed
 from .deepspeed import zero_api as zero
@@ -35,6 +36,7 @@ from .wrap import FullyShardedDataParallel, ShardedModule
 __all__ = [
     "BackwardPrefetch",
     "CheckpointError",
+    "RankDisagreementError",
     "FullStateDictConfig",
     "FullOptimStateDictConfig",
     "OptimStateDictConfig",

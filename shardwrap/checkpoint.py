@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .base.gc_pause import gc_paused
 from .ckpt.entries import SavedPiece, group_pieces
 from .ckpt.format import (
     INDEX_NAME,
@@ -90,9 +91,10 @@ def save_checkpoint(
         if failed:
             report = {"error": "; ".join(f"rank {rank}: {error}" for rank, error in failed)}
         else:
-            report = _guarded(
-                lambda: _commit_index(root, save_id, slots, optimizer, reports, extra)
-            )
+            with gc_paused():  # millions of pieces at scale: see base/gc_pause.py
+                report = _guarded(
+                    lambda: _commit_index(root, save_id, slots, optimizer, reports, extra)
+                )
     _settle(comm, "save", root, report, undo)
 
 

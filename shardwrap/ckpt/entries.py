@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..base.dtypes import BY_NAME
 
@@ -188,10 +188,10 @@ def check_coverage(name: str, entry: TensorEntry) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class SavedPiece:
+class SavedPiece(NamedTuple):
     """A piece as the saving rank reports it: ``step``/``origin`` describe its unit's shard
-    (``step`` 0: a piece outside any run, such as a buffer)."""
+    (``step`` 0: a piece outside any run, such as a buffer). A tuple: rank 0 makes one
+    per piece of the job, millions at tens of thousands of ranks."""
 
     rank: int
     file: str

@@ -124,8 +124,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 # ------------------------------------------------------------------------ paths
-def member_path(root: str, name: str) -> str:
-    """``root/name`` for a file named in the index; refuses names that leave ``root``."""
+def check_plain_name(root: str, name: str) -> None:
+    """Refuse a file name that is not a plain name (the lexical half of :func:`member_path`,
+    cheap enough to run over every file of the index when it is read)."""
     if (
         not isinstance(name, str)
         or not name
@@ -139,6 +140,12 @@ def member_path(root: str, name: str) -> str:
             f"checkpoint {root}: the index names file {name!r}, which is not a plain file "
             "name inside the checkpoint folder (path traversal refused)"
         )
+
+
+def member_path(root: str, name: str) -> str:
+    """``root/name`` for a file named in the index; refuses names that leave ``root``
+    (lexically, or through a symlink: checked when the file is opened)."""
+    check_plain_name(root, name)
     full = os.path.realpath(os.path.join(root, name))
     if os.path.dirname(full) != os.path.realpath(root):
         raise CheckpointError(
@@ -248,7 +255,7 @@ def parse_index(root: str, raw: Any) -> CheckpointIndex:
         raise _bad(root, f"'save_id' must be a string, not a {type(save_id).__name__}")
     files = {n: FileEntry.from_json(n, v) for n, v in _mapping(root, raw, "files").items()}
     for name in files:
-        member_path(root, name)
+        check_plain_name(root, name)
 
     def entries(key: str) -> dict[str, TensorEntry]:
         return {

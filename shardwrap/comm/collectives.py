@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import at_exit
+from ..base.gc_pause import gc_paused
 from ..base.validate import check_int
 from . import pairwise
 from .checks import CollectiveChecker, CollectiveMismatchError, RankDisagreementError
@@ -258,7 +259,8 @@ class Communicator:
         self.ledger.record(CommRecord("gather_object", purpose, len(payload), self.size))
         if gathered is None:
             return None
-        return [_unframe(t.cpu()) for t in gathered]
+        with gc_paused():  # many small objects: see base/gc_pause.py
+            return [_unframe(t.cpu()) for t in gathered]
 
     def _pairwise(self, tensor: torch.Tensor) -> bool:
         """Whether to run an all-gather or reduce-scatter as pairwise exchanges.
