@@ -64,10 +64,20 @@ def agreed_options(wrapper: Any, sync_module_states: bool) -> str:
     )
 
 
-def check_plan(comms: RootComms, entries: Entries, options: str) -> None:
-    """Raise on every rank unless all ranks plan the same units, parameters and options."""
+def check_plan(
+    comms: RootComms, strategy: ShardingStrategy, entries: Entries, options: str
+) -> None:
+    """Raise on every rank unless all ranks plan the same units, parameters and options.
+
+    Over the ranks the model spans: the world for hybrid strategies (their groups tile
+    it), else its one group, so that other groups may wrap other models.
+    """
     sizes = f"shard group of {comms.shard.size}, replicate group of " + (
         f"{comms.replicate.size}" if comms.replicate is not None else "none"
     )
     everything = [*entries, ("the options", f"{options}; {sizes}")]
-    check_agreement(comms.world, everything, "what to wrap")
+    if strategy.is_hybrid:
+        span = comms.world
+    else:
+        span = comms.shard if comms.replicate is None else comms.replicate
+    check_agreement(span, everything, "what to wrap")

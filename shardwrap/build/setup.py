@@ -174,7 +174,7 @@ def shard_root(
         mixed_precision=mixed_precision,
         full_precision=full_precision,
     )
-    check_plan(comms, entries, f"{options}, persistence threshold {threshold}")
+    check_plan(comms, strategy, entries, f"{options}, persistence threshold {threshold}")
     del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
     materializer = UnitMaterializer(
         module,
