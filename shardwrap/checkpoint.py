@@ -106,7 +106,9 @@ def _agree_on_id(comm, failed: bool) -> tuple[str, int]:
     return f"{int(agreed[0]):016x}", int(agreed[1])
 
 
-def _settle(comm, what: str, root: str, report: dict, undo=None, *, failures=None) -> None:
+def _settle(
+    comm, what: str, root: str, report: dict, undo=None, *, failures=None, purpose="checkpoint"
+) -> None:
     """Raise on every rank if any rank failed; error details travel only on failure.
 
     A 4-byte all-reduce says whether any rank failed (unless ``failures`` already says);
@@ -114,10 +116,10 @@ def _settle(comm, what: str, root: str, report: dict, undo=None, *, failures=Non
     """
     if failures is None:
         flag = torch.tensor([1 if report["error"] else 0], dtype=torch.int32)
-        comm.all_reduce(flag, purpose="checkpoint").wait()
+        comm.all_reduce(flag, purpose=purpose).wait()
         failures = int(flag)
     if failures:
-        errors = comm.all_gather_object(report["error"], purpose="checkpoint")
+        errors = comm.all_gather_object(report["error"], purpose=purpose)
         _raise_failures(what, root, [{"error": e} for e in errors], undo)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import _guarded, _raise_failures
+from ..checkpoint import _guarded, _settle
 from .consolidate import HF_INDEX_FILE, HF_SINGLE_FILE
 from .format import CheckpointError, member_path
 from .slots import ParamSlot, model_slots
@@ -52,10 +52,8 @@ def load_pretrained(model: Any, path: str | os.PathLike, *, strict: bool = True)
     """
     root = os.fspath(path)
     slots = model_slots(model)
-    reports = slots.world_comm.all_gather_object(
-        _guarded(lambda: _load(root, slots, strict)), purpose="load_pretrained"
-    )
-    _raise_failures("load_pretrained", root, reports)
+    report = _guarded(lambda: _load(root, slots, strict))
+    _settle(slots.world_comm, "load_pretrained", root, report, purpose="load_pretrained")
 
 
 def _load(root: str, slots, strict: bool) -> dict[str, Any]:
