@@ -223,16 +223,18 @@ def _commit_index(
     """World rank 0, once every rank's file is durable: write the index, drop old files."""
     pieces = _collect_pieces(reports)
     params = {
-        s.fqn: _entry(s.fqn, s.shape, dtype_name(s.dtype), pieces[("param", s.fqn, None)])
+        s.fqn: _entry(s.fqn, s.shape, dtype_name(s.dtype), pieces[("param", s.fqn, None)], save_id)
         for s in slots.slots
     }
     buffers = {
-        name: _entry(name, tuple(b.shape), dtype_name(b.dtype), pieces[("buffer", name, None)])
+        name: _entry(
+            name, tuple(b.shape), dtype_name(b.dtype), pieces[("buffer", name, None)], save_id
+        )
         for name, b in slots.buffers.items()
     }
     optim_state = param_groups = None
     if optimizer is not None:
-        optim_state, param_groups = _optimizer_entries(slots, optimizer, pieces)
+        optim_state, param_groups = _optimizer_entries(slots, optimizer, pieces, save_id)
     files = {
         r["file"]: FileEntry.from_json(r["file"], r["file_entry"]) for r in reports if r["file"]
     }
@@ -275,15 +277,16 @@ def _collect_pieces(reports: list[dict]) -> PieceMap:
     return pieces
 
 
-def _entry(name: str, shape: tuple[int, ...], dtype: str, saved: list[SavedPiece]) -> TensorEntry:
+def _entry(
+    name: str, shape: tuple[int, ...], dtype: str, saved: list[SavedPiece], save_id: str
+) -> TensorEntry:
     """An index entry; its pieces must tile the tensor (else the save is refused)."""
-    save_id = saved[0].file.split("-", 1)[0] if saved and saved[0].file else ""
     entry = TensorEntry(shape, dtype, *group_pieces(saved, save_id))
     check_coverage(name, entry)
     return entry
 
 
-def _optimizer_entries(slots: ModelSlots, optimizer, pieces: PieceMap):
+def _optimizer_entries(slots: ModelSlots, optimizer, pieces: PieceMap, save_id: str):
     state_entries: dict[str, dict[str, Any]] = {}
     param_groups = []
     for group_index, (group, group_slots) in enumerate(
@@ -301,7 +304,7 @@ def _optimizer_entries(slots: ModelSlots, optimizer, pieces: PieceMap):
                     shape = slot.shape if kind == SHARDED else ()
                     name = f"{slot.fqn}/{state}"
                     refs = pieces[("optim", slot.fqn, state)]
-                    entry = _entry(name, shape, dtype_name(value.dtype), refs)
+                    entry = _entry(name, shape, dtype_name(value.dtype), refs, save_id)
                 state_entries.setdefault(slot.fqn, {})[state] = entry
     return state_entries, param_groups
 
