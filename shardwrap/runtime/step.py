@@ -211,10 +211,10 @@ class StepRuntime:
     def start_vote(self, units: list[Unit]) -> _PresenceVote | None:
         """Issue the presence vote of ``units`` (see [Note: gradient presence])."""
         handles = [u.handle for u in units if u.handle is not None]
+        entries = self._run_entries()
+        self.units_run.clear()  # checked now, or never: nothing to vote on (no handles)
         if not handles:
             return None
-        entries = self._run_entries()
-        self.units_run.clear()
         self._checked_entries = entries
         words = digest_words(digest(entries))
         flags = torch.tensor(
