@@ -21,6 +21,7 @@ from .fsdp1_options import (
 from .install import install, is_installed, uninstall
 from .options import (
     BackwardPrefetch,
+    CommQuantization,
     CPUOffload,
     DiskOffload,
     FullStateDictConfig,
@@ -35,6 +36,7 @@ from .wrap import FullyShardedDataParallel, ShardedModule
 __all__ = [
     "BackwardPrefetch",
     "CheckpointError",
+    "CommQuantization",
     "FullStateDictConfig",
     "FullOptimStateDictConfig",
     "OptimStateDictConfig",

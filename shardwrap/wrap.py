@@ -15,6 +15,7 @@ from . import hooks
 from .base.records import as_record
 from .base.validate import check_bool
 from .build import casts as precision
+from .build.comm_quant import quantize_comms
 from .build.comms import root_comms
 from .build.fsdp_units import FSDP1Attributes, FSDPMeta, as_fsdp_unit
 from .build.nesting import absorb_nested, check_not_wrapped
@@ -76,6 +77,8 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     Parameter and state-dict names are exactly those of the unwrapped ``module``; the
     parameters the optimizer receives are this rank's pieces of the originals.
 
+    ``comm_quantization`` (keyword only): ZeRO++'s switches, a ``CommQuantization``.
+
     ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
     fewer elements are kept whole and replicated on every rank, never all-gathered, their
     gradients all-reduced; see [Note: parameter persistence] in ``layout/persistence.py``.
@@ -104,6 +107,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         device_mesh: Any = None,
         *,
         param_persistence_threshold: int = 0,
+        comm_quantization: Any = None,
     ) -> None:
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
@@ -151,6 +155,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         )
         if self.disk_store is not None:
             self.disk_store.attach(u.handle for u in new_units)
+        self.comm_quantization = quantize_comms(comm_quantization, new_units, comms)
         self.module = module
         self._units: list[Unit] = new_units + list(absorbed)
         self._start_runtime(comms.world, new_units, full_precision)

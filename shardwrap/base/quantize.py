@@ -8,8 +8,9 @@ as ``q * s``. Rounding to the nearest integer leaves each value within ``s / 2``
 original (plus fp32 rounding of the division and product, a few ulps of the block's
 largest value). A block of zeros has scale 0 and comes back as zeros.
 
-On the wire a row is one ``uint8`` row: the integers (one byte each for int8; two to a
-byte for int4, low nibble first, stored as ``q + 8``), then the scales' fp32 bytes. One
+On the wire a row is one ``uint8`` row: the ``n`` integers (one byte each for int8; two to
+a byte for int4, low nibble first, stored as ``q + 8``; the last block's padding is not
+sent), then the scales' fp32 bytes. One
 collective thus moves integers and scales together, and every rank can cut a received
 row apart knowing only ``n`` and the codec. The functions work on the last dimension of
 any tensor, with torch ops only (no loop over blocks), the same code on CPU and CUDA.
@@ -52,8 +53,12 @@ class BlockCodec:
     def num_blocks(self, numel: int) -> int:
         return -(-numel // self.block_size)
 
+    def _values_sent(self, numel: int) -> int:
+        """Integers a row carries: ``numel``, one more for int4 when odd (whole bytes)."""
+        return numel + numel % 2 if self.bits == 4 else numel
+
     def _value_bytes(self, numel: int) -> int:
-        return self.num_blocks(numel) * self.block_size * self.bits // 8
+        return self._values_sent(numel) * self.bits // 8
 
     def row_bytes(self, numel: int) -> int:
         """Bytes of the wire row of ``numel`` values: integers, then scales."""
@@ -86,8 +91,8 @@ def dequantize_blocks(
 def quantize(x: torch.Tensor, codec: BlockCodec) -> torch.Tensor:
     """``x``'s last dimension as wire rows: ``(..., codec.row_bytes(n))`` uint8."""
     q, scales = quantize_blocks(x, codec)
-    lead = q.shape[:-2]
-    q = q.flatten(-2)
+    # the last block's padding is not sent
+    q = q.flatten(-2)[..., : codec._values_sent(x.shape[-1])]
     if codec.bits == 8:
         value_bytes = q.view(torch.uint8)
     else:
@@ -118,5 +123,6 @@ def dequantize(
         low = (value_bytes & 0xF).to(torch.int8)
         high = (value_bytes >> 4).to(torch.int8)
         q = torch.stack([low, high], dim=-1).reshape(*lead, 2 * split) - _INT4_OFFSET
+    q = F.pad(q, (0, blocks * codec.block_size - q.shape[-1]))  # the last block's padding
     q = q.reshape(*lead, blocks, codec.block_size)
     return dequantize_blocks(q, scales, numel, dtype)

@@ -28,12 +28,14 @@ ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is 
 class CommRecord:
     """One collective as this rank issued it."""
 
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast" | "all_to_all"
     purpose: str  # e.g. "params", "grads", "grad_presence", "init"
     num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
     group_size: int
     unit: str = ""  # the unit it serves ("" for the root unit or none)
     elapsed_s: float | None = None  # issue to end of wait, when the ledger times collectives
+    # Quantized (comm/quantized.py): the bytes the same collective moves unquantized; else 0.
+    unquantized_bytes: int = 0
 
     @property
     def wire_bytes(self) -> float:
@@ -160,13 +162,21 @@ class Communicator:
             )
 
     def all_gather(
-        self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit: str = ""
+        self,
+        out_full: torch.Tensor,
+        in_shard: torch.Tensor,
+        *,
+        purpose: str,
+        unit: str = "",
+        **note,
     ):
-        """Concatenate every rank's ``in_shard`` into ``out_full``; returns a waitable."""
+        """Concatenate every rank's ``in_shard`` into ``out_full``; returns a waitable.
+
+        ``note``: further :class:`CommRecord` fields (``unquantized_bytes``)."""
         if self.size == 1:
             out_full.copy_(in_shard)
             return _DoneWork()
-        start = self._record("all_gather", purpose, out_full, unit)
+        start = self._record("all_gather", purpose, out_full, unit, **note)
         if self._pairwise(out_full):
             work = pairwise.all_gather(self.group, self.rank, self.size, out_full, in_shard)
             return self._timed(work, start)
@@ -190,6 +200,19 @@ class Communicator:
         work = dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
+        return self._timed(work, start)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, purpose: str, unit: str, **note):
+        """Slice r of ``inp`` (1D, ``size`` equal slices) to rank r; rank r's slice for this
+        rank into slice r of ``out``. Returns a waitable; ``note`` as for all_gather."""
+        if self.size == 1:
+            out.copy_(inp)
+            return _DoneWork()
+        start = self._record("all_to_all", purpose, inp, unit, **note)
+        if self._pairwise(inp):
+            work = pairwise.all_to_all(self.group, self.rank, self.size, out, inp)
+            return self._timed(work, start)
+        work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
         return self._timed(work, start)
 
     def all_reduce(
@@ -240,12 +263,12 @@ class Communicator:
     def _copied_back(work, staged: torch.Tensor, tensor: torch.Tensor):
         return work if staged is tensor else _CopyBackWork(work, staged, tensor)
 
-    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> float:
+    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit="", **note) -> float:
         """Check (debug), record, and return the issue time for :meth:`_timed`."""
         self._check_not_released()
         if self.checker is not None:
             self.checker.check(kind, purpose, unit, tensor, self.size)
-        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit))
+        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit, **note))
         return time.perf_counter()
 
     def _timed(self, work, start: float):

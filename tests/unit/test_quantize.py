@@ -78,7 +78,8 @@ def test_wire_bytes_per_value() -> None:
     n = 256 * 10
     assert BlockCodec(8, 256).row_bytes(n) == n + 40
     assert BlockCodec(4, 256).row_bytes(n) == n // 2 + 40
-    assert BlockCodec(8, 256).row_bytes(n + 1) == n + 256 + 44  # a padded last block
+    assert BlockCodec(8, 256).row_bytes(n + 1) == n + 1 + 44  # a partial last block
+    assert BlockCodec(4, 256).row_bytes(n + 1) == n // 2 + 1 + 44
     assert BlockCodec(8, 256).row_bytes(n) / (4 * n) <= 0.27
     assert BlockCodec(4, 256).row_bytes(n) / (4 * n) <= 0.15
 
