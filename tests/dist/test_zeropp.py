@@ -17,7 +17,7 @@ import torch.distributed as dist
 import shardwrap
 from benchmarks import gpt
 from benchmarks.comm_count import CollectiveCounter
-from shardwrap import CommQuantization, MixedPrecision
+from shardwrap import CommQuantization, MixedPrecision, profile
 from shardwrap.base.quantize import BlockCodec, dequantize, quantize
 from shardwrap.comm import quantized
 from shardwrap.comm.collectives import CommLedger, Communicator
@@ -125,16 +125,17 @@ def _traffic_worker(rank: int, world_size: int, quant: dict | None, strategy: st
         ledger.reset()
         counter.reset()
         counter.counting = True
-        loss = _loss(model, step, rank)
-        forward = list(ledger.records)
-        sent_forward = counter.reset().get("send", (0, 0))[1]
-        ledger.reset()
-        loss.backward()
-        counter.counting = False
-        backward = list(ledger.records)
-        sent_backward = counter.reset().get("send", (0, 0))[1]
+        with profile.profile_step(model) as measured:
+            loss = _loss(model, step, rank)
+            forward = list(ledger.records)
+            sent_forward = counter.reset().get("send", (0, 0))[1]
+            loss.backward()
+            counter.counting = False
+            backward = ledger.records[len(forward) :]
+            sent_backward = counter.reset().get("send", (0, 0))[1]
         optim.step()
         optim.zero_grad()
+    out["saved"] = measured.saved_bytes()
     out["forward_gather"] = sum(r.num_bytes for r in forward if r.purpose == "params")
     out["forward_sent"] = sent_forward
     out["grads"] = sum(r.num_bytes for r in backward if r.purpose == "grads")
@@ -150,8 +151,9 @@ def test_qwz_forward_gather_moves_a_quarter_of_fp32() -> None:
     for p, q in zip(plain, quant, strict=True):
         assert 0 < q["forward_gather"] <= QWZ_MAX_RATIO * p["forward_gather"]
         assert 0 < q["forward_sent"] <= QWZ_MAX_RATIO * p["forward_sent"]
-        # the ledger says what the plain gathers would have moved
+        # the ledger says what the plain gathers would have moved, the profile what was saved
         assert q["unquantized"] == p["forward_gather"]
+        assert q["saved"] == p["forward_gather"] - q["forward_gather"] and p["saved"] == 0
         # backward is untouched: full-precision gathers, plain reduce-scatters
         assert q["backward_sent"] == p["backward_sent"] and q["grads"] == p["grads"]
 
@@ -167,6 +169,7 @@ def test_qgz_reduction_moves_a_fraction_of_fp32(quant: dict, ratio: float) -> No
         assert 0 < q["grads"] <= ratio * p["grads"]
         assert 0 < q["backward_sent"] <= ratio * p["backward_sent"]
         assert q["forward_sent"] == p["forward_sent"]
+        assert q["saved"] == p["grads"] - q["grads"]
 
 
 # ----------------------------------------------------------------- accuracy
