@@ -45,7 +45,8 @@ def memory_by_category(
 
     * ``full_params``: gathered buffers currently allocated (0 once every unit resharded
       and freed them; always 0 for units of one shard whose shard is the full tensor, that
-      is without a low-precision or CPUOffload device copy);
+      is without a low-precision or CPUOffload device copy), and ZeRO++'s hpZ secondary
+      shards kept from forward to backward;
     * ``param_shards``: each unit's flat shard, padding included;
     * ``grads``: gradients on the shard views, local gradients still on the full views
       (under ``no_sync``) and reduced gradients waiting for the presence vote;
@@ -61,6 +62,8 @@ def memory_by_category(
         if handle.separate_full:
             totals["full_params"] += _storage_bytes(handle.flat_full, counted)
         totals["param_shards"] += _storage_bytes(handle.flat_shard, counted)
+        if handle.comm_quant is not None:  # hpZ: a secondary shard of the gathered copy
+            totals["full_params"] += handle.comm_quant.secondary_bytes
     for handle in handles:
         grads = [p.grad for p in (*handle.shard_params, *handle.full_params)]
         grads.append(handle.grads.pending_grad_shard)

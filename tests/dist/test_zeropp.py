@@ -99,8 +99,10 @@ def _mean(value: torch.Tensor) -> float:
     return float(value) / dist.get_world_size()
 
 
-def _train(rank: int, quant: dict | None, num_steps: int, **kwargs) -> list[float]:
-    model = _wrap(quant, **kwargs)
+def _train(
+    rank: int, quant: dict | None, num_steps: int, strategy: str = "FULL_SHARD", **kwargs
+) -> list[float]:
+    model = _wrap(quant, strategy, **kwargs)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step in range(num_steps):
@@ -210,6 +212,8 @@ def _hpz_worker(rank: int, world_size: int) -> dict:
             if model is hpz:
                 forward_sizes = {r.group_size for r in hpz.comm_ledger.records}
                 secondary.append([u.handle.comm_quant.secondary_bytes for u in hpz.units])
+                held = profile.memory_by_category(hpz)["full_params"]
+                assert held >= sum(secondary[-1]) > 0
                 hpz.comm_ledger.reset()
             loss.backward()
             optim.step()
@@ -299,4 +303,18 @@ def _no_sync_clip_worker(rank: int, world_size: int) -> list[list[float]]:
 
 def test_no_sync_and_clipping_train_within_one_percent() -> None:
     for runs in run_ranks(_no_sync_clip_worker, 2):
+        _check_close(runs)
+
+
+def _hybrid_worker(rank: int, world_size: int) -> list[list[float]]:
+    """HYBRID_SHARD in pairs: quantized inside each pair, full precision across them."""
+    groups = shardwrap.hybrid_process_groups(2)
+    runs = []
+    for quant in (None, {"weights": True, "gradients": True}):
+        runs.append(_train(rank, quant, 4, strategy="HYBRID_SHARD", process_group=groups))
+    return runs
+
+
+def test_hybrid_shard_trains_within_one_percent() -> None:
+    for runs in run_ranks(_hybrid_worker, 4):
         _check_close(runs)
