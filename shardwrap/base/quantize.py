@@ -13,7 +13,9 @@ a byte for int4, low nibble first, stored as ``q + 8``; the last block's padding
 sent), then the scales' fp32 bytes. One
 collective thus moves integers and scales together, and every rank can cut a received
 row apart knowing only ``n`` and the codec. The functions work on the last dimension of
-any tensor, with torch ops only (no loop over blocks), the same code on CPU and CUDA.
+any tensor, with torch ops only (no loop over blocks), the same code on CPU and CUDA. (Int4
+packing views byte pairs as int16, so it assumes a little-endian machine, as x86, ARM and
+every CUDA device are.)
 """
 
 from __future__ import annotations
@@ -88,24 +90,67 @@ def dequantize_blocks(
     return values.flatten(-2)[..., :numel].to(dtype)
 
 
+def _parts(t: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    """Views of ``t``'s last dimension as ``(..., blocks, block_size)``: the whole blocks,
+    then the partial last block (``(..., 1, rest)``) if any; no copy."""
+    numel = t.shape[-1]
+    whole = numel - numel % block_size
+    parts = [t[..., :whole].unflatten(-1, (whole // block_size, block_size))] if whole else []
+    if whole < numel:
+        parts.append(t[..., whole:].unsqueeze(-2))
+    return parts
+
+
+def _quantize_into(blocks: torch.Tensor, scales: torch.Tensor, q: torch.Tensor, qmax: int) -> None:
+    """:func:`quantize_blocks`'s arithmetic, written into ``scales`` and ``q`` (views)."""
+    scales.copy_(blocks.abs().amax(dim=-1).div_(qmax))  # (vector_norm(inf) is slower on CPU)
+    divisor = torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
+    q.copy_(torch.div(blocks, divisor).round_().clamp_(-qmax, qmax))
+
+
 def quantize(x: torch.Tensor, codec: BlockCodec) -> torch.Tensor:
-    """``x``'s last dimension as wire rows: ``(..., codec.row_bytes(n))`` uint8."""
-    q, scales = quantize_blocks(x, codec)
-    # the last block's padding is not sent
-    q = q.flatten(-2)[..., : codec._values_sent(x.shape[-1])]
-    if codec.bits == 8:
-        value_bytes = q.view(torch.uint8)
+    """``x``'s last dimension as wire rows: ``(..., codec.row_bytes(n))`` uint8.
+
+    The same integers and scales as :func:`quantize_blocks`, without padding ``x``: whole
+    blocks and the partial last one are quantized where they lie.
+    """
+    values = x.detach()
+    if values.dtype != torch.float32:
+        values = values.float()
+    numel, lead = values.shape[-1], values.shape[:-1]
+    rows = torch.empty(*lead, codec.row_bytes(numel), dtype=torch.uint8, device=values.device)
+    value_bytes = codec._value_bytes(numel)
+    if codec.bits == 8:  # the integers go straight into the rows
+        q = rows[..., :numel].view(torch.int8)
     else:
-        nibbles = (q + _INT4_OFFSET).to(torch.uint8)
-        value_bytes = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    scale_bytes = scales.contiguous().view(torch.uint8)
-    return torch.cat([value_bytes, scale_bytes], dim=-1)
+        q = torch.zeros(*lead, codec._values_sent(numel), dtype=torch.int8, device=values.device)
+    scales = torch.empty(*lead, codec.num_blocks(numel), dtype=torch.float32, device=values.device)
+    # one scale per part's block: the whole blocks' scales, then the partial block's
+    scale_parts = scales.split([p.shape[-2] for p in _parts(values, codec.block_size)], dim=-1)
+    for blocks, scale, q_part in zip(
+        _parts(values, codec.block_size),
+        scale_parts,
+        _parts(q[..., :numel], codec.block_size),
+        strict=True,
+    ):
+        _quantize_into(blocks, scale, q_part, codec.qmax)
+    if codec.bits == 4:  # each pair of bytes (lo, hi) as one int16 becomes lo | hi << 4
+        pairs = q.add_(_INT4_OFFSET).view(torch.int16)
+        rows[..., :value_bytes].copy_((pairs & 0xF) | ((pairs >> 4) & 0xF0))
+    rows[..., value_bytes:].copy_(scales.view(torch.uint8))
+    return rows
 
 
 def dequantize(
-    rows: torch.Tensor, numel: int, codec: BlockCodec, dtype: torch.dtype = torch.float32
+    rows: torch.Tensor,
+    numel: int,
+    codec: BlockCodec,
+    dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Wire rows from :func:`quantize` of ``numel`` values back to ``(..., numel)`` values."""
+    """Wire rows from :func:`quantize` of ``numel`` values back to ``(..., numel)`` values
+    (into ``out``, of that shape, when given)."""
     if rows.dtype != torch.uint8 or rows.shape[-1] != codec.row_bytes(numel):
         raise ValueError(
             f"rows: expected uint8 rows of {codec.row_bytes(numel)} bytes for {numel} values, "
@@ -114,15 +159,21 @@ def dequantize(
     lead = rows.shape[:-1]
     split = codec._value_bytes(numel)
     value_bytes = rows[..., :split]
-    blocks = codec.num_blocks(numel)
     # copied into a fresh buffer, aligned for fp32
-    scales = rows[..., split:].flatten().clone().view(torch.float32).reshape(*lead, blocks)
+    scales = rows[..., split:].flatten().clone().view(torch.float32)
+    scales = scales.reshape(*lead, codec.num_blocks(numel))
     if codec.bits == 8:
         q = value_bytes.view(torch.int8)
     else:
-        low = (value_bytes & 0xF).to(torch.int8)
-        high = (value_bytes >> 4).to(torch.int8)
-        q = torch.stack([low, high], dim=-1).reshape(*lead, 2 * split) - _INT4_OFFSET
-    q = F.pad(q, (0, blocks * codec.block_size - q.shape[-1]))  # the last block's padding
-    q = q.reshape(*lead, blocks, codec.block_size)
-    return dequantize_blocks(q, scales, numel, dtype)
+        wide = value_bytes.to(torch.int16)  # byte b -> (b & 0xF, b >> 4) as an int16's bytes
+        pairs = (wide & 0xF) | ((wide << 4) & 0xF00)
+        q = pairs.view(torch.int8).sub_(_INT4_OFFSET)
+    if out is None:
+        out = torch.empty(*lead, numel, dtype=dtype, device=rows.device)
+    q_parts = _parts(q[..., :numel], codec.block_size)
+    scale_parts = scales.split([p.shape[-2] for p in q_parts], dim=-1)
+    for q_part, scale, out_part in zip(
+        q_parts, scale_parts, _parts(out, codec.block_size), strict=True
+    ):
+        torch.mul(q_part, scale.unsqueeze(-1), out=out_part)
+    return out

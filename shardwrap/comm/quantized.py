@@ -76,9 +76,9 @@ class _Dequantized:
         if self._work is None:
             return True
         self._work.wait()
-        values = dequantize(self._rows, self._numel, self._codec, self._out.dtype)
-        with torch.no_grad():
-            self._out.view(self._rows.shape[0], -1).copy_(values)
+        with torch.no_grad():  # straight into the output, rank r's row into slice r
+            out = self._out.view(self._rows.shape[0], -1)
+            dequantize(self._rows, self._numel, self._codec, out=out)
         self._work = self._rows = self._out = None
         return True
 

@@ -71,6 +71,11 @@ def test_integers_in_range_and_extremes_exact(xs: list[float], codec: BlockCodec
     nonzero = scales > 0
     assert torch.all(q.abs().amax(-1)[nonzero] == codec.qmax)
     assert torch.all(dequantize_blocks(q, scales, x.numel())[x == 0] == 0)
+    # the wire rows carry exactly these integers and scales
+    for c in (codec, BlockCodec(8, codec.block_size)):
+        q, scales = quantize_blocks(x, c)
+        reference = dequantize_blocks(q, scales, x.numel())
+        assert torch.equal(dequantize(quantize(x, c), x.numel(), c), reference)
 
 
 def test_wire_bytes_per_value() -> None:
@@ -112,3 +117,14 @@ def test_dequantize_refuses_rows_of_another_length() -> None:
     codec = BlockCodec(8, 16)
     with pytest.raises(ValueError, match="rows"):
         dequantize(quantize(torch.randn(20), codec), 40, codec)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_dequantize_into_a_strided_output(codec: BlockCodec) -> None:
+    x = torch.randn(3, 45, generator=torch.Generator().manual_seed(0))
+    wire = quantize(x, codec)
+    target = torch.zeros(3, 50, dtype=torch.bfloat16)
+    out = dequantize(wire, 45, codec, out=target[:, 5:])
+    assert out.data_ptr() == target[:, 5:].data_ptr()
+    assert torch.equal(target[:, 5:], dequantize(wire, 45, codec).to(torch.bfloat16))
+    assert torch.all(target[:, :5] == 0)
