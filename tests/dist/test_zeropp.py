@@ -318,3 +318,40 @@ def _hybrid_worker(rank: int, world_size: int) -> list[list[float]]:
 def test_hybrid_shard_trains_within_one_percent() -> None:
     for runs in run_ranks(_hybrid_worker, 4):
         _check_close(runs)
+
+
+# ------------------------------------------------------------- DeepSpeed keys
+DS_CONFIG = {
+    "train_batch_size": 2 * BATCH,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+    "zero_optimization": {
+        "stage": 3,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+    },
+}
+
+
+def _deepspeed_worker(rank: int, world_size: int) -> dict:
+    """The config's ZeRO++ keys reach the model: quantized gathers and reductions."""
+    torch.manual_seed(1234)
+    engine, *_ = shardwrap.initialize(model=gpt.build(CONFIG), config=DS_CONFIG)
+    model = engine.module
+    model.comm_ledger.reset()
+    inputs, targets = gpt.batch(CONFIG, step=0, rank=rank, batch_size=BATCH)
+    engine.backward(gpt.loss_fn(engine(inputs), targets))
+    engine.step()
+    kinds = {(r.kind, r.purpose) for r in model.comm_ledger.records if r.unquantized_bytes}
+    try:  # a prewrapped model must carry the same setting
+        shardwrap.initialize(model=_wrap(None), config=DS_CONFIG)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {"config": model.comm_quantization, "kinds": kinds, "refused": refused}
+
+
+def test_deepspeed_keys_turn_on_quantization() -> None:
+    for result in run_ranks(_deepspeed_worker, 2):
+        assert result["config"] == CommQuantization(weights=True, gradients=True)
+        assert result["kinds"] == {("all_gather", "params"), ("all_to_all", "grads")}
+        assert "comm_quantization" in result["refused"]
