@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .ckpt import run_state
 from .ckpt.format import (
     INDEX_NAME,
     CheckpointError,
@@ -53,7 +54,6 @@ from .ckpt.optim_state import (
     optimizer_slots,
     state_kind,
 )
-from .ckpt import run_state
 from .ckpt.reader import CheckpointReader
 from .ckpt.safetensors_writer import StreamItem, write_stream
 from .ckpt.slots import ModelSlots, ParamSlot, model_slots

@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from shardwrap import CheckpointError, ResumableSampler, ShardedModule, load_checkpoint
-from shardwrap import save_checkpoint
+from shardwrap import (
+    CheckpointError,
+    ResumableSampler,
+    ShardedModule,
+    load_checkpoint,
+    save_checkpoint,
+)
 from shardwrap.ckpt import run_state
 from tests import models
 
