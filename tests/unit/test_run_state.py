@@ -124,3 +124,25 @@ def test_at_another_world_size_new_ranks_derive_their_streams(one_rank, tmp_path
         restore.restore_rng(rank)
         assert _draws() == draws[rank]  # deterministic
     assert len({str(d) for d in draws.values()}) == 3  # and different for every rank
+
+
+def test_the_engine_checkpoint_carries_the_generators(one_rank, tmp_path):
+    from tests.dist import engine_cases
+
+    engine = engine_cases.make_engine(engine_cases.build_model("gpt"), 3, 1, 0.0)
+    _seed_all(5)
+    sampler = ResumableSampler(20, global_batch_size=4, rank=0, world_size=1)
+    next(iter(sampler))
+    engine.save_checkpoint(str(tmp_path), client_state={"sampler": sampler.state_dict()})
+    expected = _draws()
+    _seed_all(6)
+    _, client_state = engine.load_checkpoint(str(tmp_path))
+    assert _draws() == expected
+    fresh = ResumableSampler(20, global_batch_size=4, rank=0, world_size=1)
+    fresh.load_state_dict(client_state["sampler"])  # the data position, through client_state
+    assert fresh.state_dict() == sampler.state_dict()
+    _seed_all(6)
+    moved = _draws()
+    _seed_all(6)
+    engine.load_checkpoint(str(tmp_path), load_module_only=True)
+    assert _draws() == moved
