@@ -104,7 +104,7 @@ class Streams:
             accel = raw["accelerator"]
             numpy = raw["numpy"]
             version, internal, gauss = raw["python"]
-            return Streams(
+            streams = Streams(
                 _unb64(raw["torch_cpu"]),
                 None if accel is None else (str(accel["type"]), _unb64(accel["state"])),
                 (int(version), tuple(int(x) for x in internal), gauss),
@@ -112,6 +112,20 @@ class Streams:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{where}: key 'rng' is malformed: {exc!r}") from exc
+        # Sizes are checked now: a state that set_state refuses must fail the load on
+        # every rank, not one rank after the others went on.
+        sizes = {
+            "torch_cpu": (streams.torch_cpu.numel(), torch.get_rng_state().numel()),
+            "python": (len(streams.python[1]), len(random.getstate()[1])),
+        }
+        if streams.numpy is not None:
+            sizes["numpy"] = (len(streams.numpy[1]) if len(streams.numpy) == 5 else -1, 624)
+        if not (gauss is None or isinstance(gauss, float)):
+            sizes["python"] = (-1, 0)
+        for key, (got, want) in sizes.items():
+            if got != want:
+                raise CheckpointError(f"{where}: key 'rng.{key}' has the wrong size or form")
+        return streams
 
     def restore(self) -> None:
         torch.set_rng_state(self.torch_cpu)

@@ -146,3 +146,27 @@ def test_the_engine_checkpoint_carries_the_generators(one_rank, tmp_path):
     _seed_all(6)
     engine.load_checkpoint(str(tmp_path), load_module_only=True)
     assert _draws() == moved
+
+
+@pytest.mark.parametrize(
+    ("key", "change"),
+    [
+        ("python", lambda rng: rng["python"][1].pop()),
+        ("torch_cpu", lambda rng: rng.update(torch_cpu="AAAA")),
+        ("numpy", lambda rng: rng["numpy"].pop()),
+    ],
+)
+def test_a_wrong_generator_state_is_refused_before_anything_is_set(one_rank, tmp_path, key, change):
+    model = _save(tmp_path / "c")
+    (name,) = [n for n in os.listdir(tmp_path / "c") if n.endswith(".run.json")]
+    path = tmp_path / "c" / name
+    record = json.loads(path.read_text())
+    change(record["payload"]["rng"])
+    record["sha256"] = run_state._digest(record["payload"])  # well-formed, consistent, wrong
+    path.write_text(json.dumps(record))
+    _seed_all(3)
+    expected = _draws()
+    _seed_all(3)
+    with pytest.raises(CheckpointError, match=f"{name}: key 'rng.{key}' has the wrong size"):
+        load_checkpoint(tmp_path / "c", model)
+    assert _draws() == expected
