@@ -170,3 +170,38 @@ def test_a_wrong_generator_state_is_refused_before_anything_is_set(one_rank, tmp
     with pytest.raises(CheckpointError, match=f"{name}: key 'rng.{key}' has the wrong size"):
         load_checkpoint(tmp_path / "c", model)
     assert _draws() == expected
+
+
+class _FakeAccelerator:
+    """Stands in for ``torch.cuda`` where there is no GPU: one generator per device index."""
+
+    type = "fakegpu"
+
+    def __init__(self) -> None:
+        self.states = {
+            0: torch.arange(16, dtype=torch.uint8),
+            1: torch.zeros(16, dtype=torch.uint8),
+        }
+
+    def get_rng_state(self, index):
+        return self.states[index].clone()
+
+    def set_rng_state(self, state, index):
+        self.states[index] = state.clone()
+
+
+def test_the_current_accelerators_generator_is_saved_and_restored(monkeypatch, tmp_path):
+    fake = _FakeAccelerator()
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: fake)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: fake)
+    fake.states[1] = torch.full((16,), 7, dtype=torch.uint8)
+    name = run_state.write_run_file(str(tmp_path), "0" * 16, 0, 1, None)
+    saved = json.loads((tmp_path / name).read_text())["payload"]["rng"]["accelerator"]
+    assert saved["type"] == "fakegpu"
+    fake.states[1] = torch.zeros(16, dtype=torch.uint8)
+    record = run_state.read_run_file(str(tmp_path), "0" * 16, 0)
+    record.streams.restore()
+    assert fake.states[1].tolist() == [7] * 16  # device 1's, the current one
+    assert fake.states[0].tolist() == list(range(16))  # another device's is untouched
