@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .base.validate import check_bool
 from .ckpt import run_state
 from .ckpt.format import (
     INDEX_NAME,
@@ -310,15 +311,18 @@ def load_checkpoint(
 
     def load() -> dict[str, Any]:
         run_state.check_sampler("sampler", sampler, "load_state_dict")
+        check_bool("restore_rng", restore_rng)
         index = read_index(root)
         matched = match_names(index, slots, strict)
         check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
         if optimizer is not None:  # refuse a misfit before the model changes
             _check_optimizer(index, slots, optimizer)
-        run, data = run_state.read_for_load(root, index.meta, comm.rank, comm.size, sampler)
-        if sampler is not None:
-            sampler.load_state_dict(data)
-        result["run"] = run
+        result["run"] = None
+        if restore_rng or sampler is not None:
+            run, data = run_state.read_for_load(root, index.meta, comm.rank, comm.size, sampler)
+            if sampler is not None:
+                sampler.load_state_dict(data)
+            result["run"] = run if restore_rng else None
         with CheckpointReader(root, index) as reader:
             _load_params(index, reader, slots, matched)
             if optimizer is not None:
@@ -328,7 +332,7 @@ def load_checkpoint(
 
     reports = comm.all_gather_object(_guarded(load), purpose="checkpoint")
     _raise_failures("load", root, reports)
-    if restore_rng and result["run"] is not None:
+    if result["run"] is not None:
         result["run"].restore_rng(comm.rank)
     return result["extra"]
 

@@ -83,6 +83,8 @@ def test_a_checkpoint_without_a_data_position_says_so(one_rank, tmp_path):
         load_checkpoint(tmp_path / "c", model, sampler=object())
     with pytest.raises(CheckpointError, match="sampler: expected an object with state_dict"):
         save_checkpoint(tmp_path / "d", model, sampler=[1])
+    with pytest.raises(CheckpointError, match="restore_rng: expected a bool, got 1"):
+        load_checkpoint(tmp_path / "c", model, restore_rng=1)
 
 
 def test_a_corrupt_or_missing_run_file_is_named(one_rank, tmp_path):
