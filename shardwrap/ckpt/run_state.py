@@ -199,6 +199,8 @@ def read_run_file(root: str, save_id: str, rank: int) -> RunRecord:
         with open(path, encoding="utf-8") as handle:
             raw = json.load(handle, object_pairs_hook=unique_keys(path, CheckpointError))
         payload, digest = raw["payload"], raw["sha256"]
+        if not isinstance(payload, dict):
+            raise TypeError(f"'payload' is a {type(payload).__name__}, not an object")
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"run state {path}: not a run record ({exc!r})") from exc
     if _digest(payload) != digest:
