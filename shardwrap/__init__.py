@@ -5,6 +5,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .ckpt.pretrained import load_pretrained
 from .comm.groups import hybrid_process_groups
 from .comm.launch import init_distributed
+from .data.sampler import ResumableSampler
 from .deepspeed import zero_api as zero
 from .deepspeed.engine import ShardedEngine, initialize
 from .deepspeed.front_door import DeepSpeedConfig, add_config_arguments
@@ -51,6 +52,7 @@ __all__ = [
     "DiskOffload",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "ResumableSampler",
     "ShardedEngine",
     "ShardedGradScaler",
     "ShardedModule",

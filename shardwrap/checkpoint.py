@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .base.validate import check_bool
+from .ckpt import run_state
 from .ckpt.format import (
     INDEX_NAME,
     CheckpointError,
@@ -67,42 +69,57 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: Any = None,
+    sampler: Any = None,
 ) -> None:
     """Save ``model`` (and ``optimizer``) to the folder ``path``; call on every rank.
 
-    ``extra`` is any JSON value (step, epoch, scheduler state, data position); it comes
-    back from :func:`load_checkpoint`. The checkpoint becomes visible only once complete.
+    ``extra`` is any JSON value (step, epoch, scheduler state); it comes back from
+    :func:`load_checkpoint`. Every rank also records its random number generators and
+    ``sampler.state_dict()`` (the data position, e.g. of a
+    :class:`~shardwrap.data.sampler.ResumableSampler`) in a small file of its own
+    ([Note: run state files]). The checkpoint becomes visible only once complete.
     """
     root = os.fspath(path)
     slots = model_slots(model)
     comm = slots.world_comm
-    opening = _guarded(lambda: {"save_id": secrets.token_hex(8), **_check_json("extra", extra)})
-    openings = comm.all_gather_object(opening, purpose="checkpoint")
+
+    def open_save() -> dict[str, Any]:
+        run_state.check_sampler("sampler", sampler, "state_dict")
+        return {"save_id": secrets.token_hex(8), **_check_json("extra", extra)}
+
+    openings = comm.all_gather_object(_guarded(open_save), purpose="checkpoint")
     _raise_failures("save", root, openings)
     save_id = openings[0]["save_id"]
-    report = _guarded(lambda: _write_rank_file(root, save_id, slots, optimizer))
-    written = report.get("file")
+
+    def write_rank() -> dict[str, Any]:
+        report = _write_rank_file(root, save_id, slots, optimizer)
+        run_state.write_run_file(root, save_id, comm.rank, comm.size, sampler)
+        return report
+
+    report = _guarded(write_rank)
+    written = [report.get("file"), run_state.run_file_name(save_id, comm.rank)]
     reports = comm.all_gather_object(report, purpose="checkpoint")
     undo = lambda: _drop_uncommitted(root, save_id, written)  # noqa: E731
     _raise_failures("save", root, reports, undo)
     if comm.rank == 0:
-        report = _guarded(lambda: _commit_index(root, save_id, slots, optimizer, reports, extra))
+        report = _guarded(
+            lambda: _commit_index(root, save_id, slots, optimizer, reports, extra, sampler)
+        )
     else:
         report = {"error": None}
     _raise_failures("save", root, comm.all_gather_object(report, purpose="checkpoint"), undo)
 
 
-def _drop_uncommitted(root: str, save_id: str, name: str | None) -> None:
-    """After a failed save: remove this rank's new file unless the index already names it."""
-    if name is None:
-        return
+def _drop_uncommitted(root: str, save_id: str, names: list[str | None]) -> None:
+    """After a failed save: remove this rank's new files unless the index already names them."""
     try:
         committed = read_index(root).meta.get("save_id")
     except (OSError, CheckpointError):
         committed = None
     if committed != save_id:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(root, name))
+        for name in filter(None, names):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(root, name))
 
 
 def _check_json(argument: str, value: Any) -> dict[str, Any]:
@@ -183,7 +200,7 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
 
 
 def _commit_index(
-    root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra: Any
+    root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra, sampler
 ) -> dict[str, Any]:
     """World rank 0, once every rank's file is durable: write the index, drop old files."""
     pieces = _collect_pieces(reports)
@@ -207,6 +224,7 @@ def _commit_index(
             "world_size": slots.world_comm.size,
             "strategy": _strategy_name(slots),
             **({"optimizer_class": optimizer_class_name(optimizer)} if optimizer else {}),
+            run_state.META_KEY: run_state.index_record(sampler),
         },
         params=params,
         aliases=dict(slots.aliases),
@@ -217,7 +235,7 @@ def _commit_index(
         extra=extra,
     )
     write_atomic(root, INDEX_NAME, index_bytes(index))
-    remove_stale_files(root, keep=set(files))
+    remove_stale_files(root, keep=set(files), save_id=save_id)
     return {}
 
 
@@ -276,11 +294,15 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
+    sampler: Any = None,
+    restore_rng: bool = True,
 ) -> Any:
     """Load a checkpoint saved at any world size and strategy; returns its ``extra``.
 
     Call on every rank. With ``strict``, parameters or buffers present on only one side
-    are an error; without it they are skipped.
+    are an error; without it they are skipped. ``sampler.load_state_dict`` gets the saved
+    data position; with ``restore_rng`` every rank's random number generators continue
+    where they were saved ([Note: run state files]; nothing for a checkpoint without them).
     """
     root = os.fspath(path)
     slots = model_slots(model)
@@ -288,11 +310,19 @@ def load_checkpoint(
     result: dict[str, Any] = {}
 
     def load() -> dict[str, Any]:
+        run_state.check_sampler("sampler", sampler, "load_state_dict")
+        check_bool("restore_rng", restore_rng)
         index = read_index(root)
         matched = match_names(index, slots, strict)
         check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
         if optimizer is not None:  # refuse a misfit before the model changes
             _check_optimizer(index, slots, optimizer)
+        result["run"] = None
+        if restore_rng or sampler is not None:
+            run, data = run_state.read_for_load(root, index.meta, comm.rank, comm.size, sampler)
+            if sampler is not None:
+                sampler.load_state_dict(data)
+            result["run"] = run if restore_rng else None
         with CheckpointReader(root, index) as reader:
             _load_params(index, reader, slots, matched)
             if optimizer is not None:
@@ -302,6 +332,8 @@ def load_checkpoint(
 
     reports = comm.all_gather_object(_guarded(load), purpose="checkpoint")
     _raise_failures("load", root, reports)
+    if result["run"] is not None:
+        result["run"].restore_rng(comm.rank)
     return result["extra"]
 
 

@@ -23,7 +23,6 @@ from .build.setup import (
     check_bucket_bytes,
     check_unsupported,
     disk_store_for,
-    require_process_group,
     resolve_ignored,
     shard_root,
 )
@@ -112,7 +111,6 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
         check_not_wrapped(module)
-        require_process_group()
         self._set_options(
             sharding_strategy,
             backward_prefetch,
@@ -126,7 +124,6 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         cpu_offload = cpu_offload and as_record("cpu_offload", cpu_offload, CPUOffload, DiskOffload)
         check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
-        self.disk_store = disk_store_for(cpu_offload)  # DiskOffload: shards, Adam state in files
         policy = as_policy(auto_wrap_policy)
         ignored = resolve_ignored(ignored_modules, ignored_states, module)
         self.comm_ledger = CommLedger()
@@ -136,6 +133,8 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
             self.comm_ledger,
             self.param_persistence_threshold,
         )
+        # DiskOffload: shards and Adam state in mapped files, named by the rank in the world.
+        self.disk_store = disk_store_for(cpu_offload, comms.world.rank)
         absorbed = absorb_nested(module, policy=policy)
         new_units, full_precision = shard_root(
             module,

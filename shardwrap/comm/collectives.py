@@ -132,15 +132,17 @@ class Communicator:
     def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger) -> None:
         self.group = group
         self.ledger = ledger
-        self.rank: int = dist.get_rank(group) if group is not None else 0
-        self.size: int = dist.get_world_size(group) if group is not None else 1
+        # The group's own rank and size: a group built without a default process group is
+        # not in torch's registry, so ``dist.get_rank(group)`` cannot answer for it.
+        self.rank: int = group.rank() if group is not None else 0
+        self.size: int = group.size() if group is not None else 1
         self.checker: CollectiveChecker | None = None  # debug: verify ranks agree first
         # [Note: host tensors on accelerator-only backends]
         # Flags, norms and counts are small host tensors. A group whose backend has no CPU
         # transport (plain "nccl") cannot reduce them, so they travel through a copy on the
         # current accelerator; "gloo" or a device-mapped backend ("cpu:gloo,cuda:nccl",
         # torch's default) reduces them where they are.
-        backend = None if group is None else dist.get_backend(group)
+        backend = None if group is None else group_backend(group)
         self.host_capable = backend is None or backend_handles_cpu(backend)
         self.staging_device: torch.device | None = None  # None: the current accelerator
         self._gloo = backend == "gloo"
@@ -368,6 +370,14 @@ def _current_accelerator() -> torch.device:
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def group_backend(group: dist.ProcessGroup) -> str:
+    """The backend name of ``group``, registered with torch or not (``"gloo"``, ``"nccl"``)."""
+    try:
+        return dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return group.name()
 
 
 def world_rank() -> int:
