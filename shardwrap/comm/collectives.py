@@ -164,13 +164,7 @@ class Communicator:
             )
 
     def all_gather(
-        self,
-        out_full: torch.Tensor,
-        in_shard: torch.Tensor,
-        *,
-        purpose: str,
-        unit: str = "",
-        **note,
+        self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit="", **note
     ):
         """Concatenate every rank's ``in_shard`` into ``out_full``; returns a waitable.
 
