@@ -12,6 +12,9 @@ move ``uint8`` wire rows instead ([Note: block quantization] in base/quantize.py
   row r, and an all-to-all hands each rank the rows meant for it. The wait dequantizes
   them into fp32, puts this rank's own slice in unquantized, and sums in rank order in
   fp32: each contribution is quantized once, and nothing quantized is ever added to.
+* all-reduce (qgZ's second level, across the replica groups of a hybrid strategy): each
+  rank's reduced shard is quantized once and all-gathered; every rank sums all rows in
+  rank order in fp32, its own as sent, so the replicas keep identical shards.
 
 The ledger records each as the collective it is (``all_gather``, ``all_to_all``) with its
 real ``uint8`` bytes, and, in ``unquantized_bytes``, the bytes the plain collective would
@@ -62,6 +65,21 @@ def reduce_scatter(comm, out_shard, in_full, *, purpose: str, unit: str, codec: 
     return _Summed(work, received, slices[comm.rank], out_shard, codec, comm.rank)
 
 
+def all_reduce(comm, tensor, *, purpose: str, unit: str, codec: BlockCodec | None):
+    """``comm.all_reduce(tensor)`` (a sum, in place), quantized with ``codec`` (None: plain).
+
+    Every rank all-gathers every rank's quantized row and sums the dequantized rows in
+    rank order in fp32, its own row included as sent: every rank ends with the same bits.
+    """
+    if codec is None or comm.size == 1:
+        return comm.all_reduce(tensor, purpose=purpose, unit=unit)
+    row = quantize(tensor.reshape(-1), codec)
+    rows = torch.empty((comm.size, row.numel()), dtype=torch.uint8, device=row.device)
+    plain = comm.size * _nbytes(tensor)  # the same all-gather unquantized
+    work = comm.all_gather(rows.view(-1), row, purpose=purpose, unit=unit, unquantized_bytes=plain)
+    return _Summed(work, rows, None, tensor, codec, comm.rank)
+
+
 class _Dequantized:
     """A quantized all-gather in flight; its wait writes the values into the output."""
 
@@ -89,7 +107,7 @@ class _Summed:
     def __init__(self, work, received, own, out_shard, codec: BlockCodec, rank: int) -> None:
         self._work = work
         self._received = received  # (ranks, row bytes) uint8: row r from rank r
-        self._own = own  # this rank's unquantized part
+        self._own = own  # this rank's unquantized part (None: use the row it sent)
         self._out = out_shard
         self._codec = codec
         self._rank = rank
@@ -98,8 +116,9 @@ class _Summed:
         if self._work is None:
             return True
         self._work.wait()
-        parts = dequantize(self._received, self._own.numel(), self._codec)
-        parts[self._rank] = self._own.reshape(-1)
+        parts = dequantize(self._received, self._out.numel(), self._codec)
+        if self._own is not None:  # a reduce-scatter: this rank's part unquantized
+            parts[self._rank] = self._own.reshape(-1)
         with torch.no_grad():
             self._out.view(-1).copy_(parts.sum(dim=0))
         self._work = self._received = self._own = self._out = None

@@ -26,8 +26,9 @@ too. The slice holds what forward computed with, so under qwZ it holds the dequa
 values (backward then uses the very weights forward did, as in DeepSpeed's ZeRO++).
 
 With ``gradients`` (qgZ) the unit's gradient reduce-scatter (alone or in a reduce
-bucket) is quantized (``handle.grads.grad_codec``); the replica all-reduce of hybrid
-strategies and the all-reduce of one-shard units stay in full precision.
+bucket) is quantized (``handle.grads.grad_codec``), and so, for hybrid strategies, is the
+all-reduce of the reduced shard across replica groups (hierarchical: within the shard
+group, then across). The all-reduce of one-shard units stays in full precision.
 """
 
 from __future__ import annotations

@@ -164,7 +164,13 @@ class UnitGrads:
     def accept_reduced(self, reduced: torch.Tensor, *, replicate_done: bool) -> None:
         """Finish a reduction of this rank's chunk (1D, chunk_numel): replicas, scale, add."""
         if self.replicate_comm is not None and not replicate_done:
-            self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
+            quantized.all_reduce(  # qgZ: hierarchical, quantized across replicas too
+                self.replicate_comm,
+                reduced,
+                purpose="grads",
+                unit=self.comm_label,
+                codec=self.grad_codec,
+            ).wait()
         reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
         if self.host_staging is not None:  # the optimizer steps on the host
             reduced = self.host_staging.to_host(reduced)

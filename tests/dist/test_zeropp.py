@@ -62,7 +62,13 @@ def _collectives_worker(rank: int, world_size: int, bits: int) -> int:
     ]
     assert torch.equal(reduced, torch.stack(parts).sum(dim=0))
 
-    gather, exchange = comm.ledger.records
+    summed = fulls[rank].clone()
+    quantized.all_reduce(comm, summed, purpose="g", unit="u", codec=codec).wait()
+    rows = [dequantize(quantize(f, codec), numel * world_size, codec) for f in fulls]
+    assert torch.equal(summed, torch.stack(rows).sum(dim=0))  # every rank: the same bits
+
+    gather, exchange, gathered = comm.ledger.records
+    assert gathered.kind == "all_gather" and gathered.unquantized_bytes == world_size * _nbytes(summed)
     wire_rows = world_size * codec.row_bytes(numel)
     assert (gather.kind, gather.num_bytes) == ("all_gather", wire_rows)
     assert gather.unquantized_bytes == world_size * numel * 4
@@ -71,9 +77,13 @@ def _collectives_worker(rank: int, world_size: int, bits: int) -> int:
     return len(comm.ledger.records)
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_collectives_match_quantize_then_sum(bits: int) -> None:
-    assert run_ranks(_collectives_worker, 2, bits) == [2, 2]
+    assert run_ranks(_collectives_worker, 2, bits) == [3, 3]
 
 
 # ------------------------------------------------------------------ training
@@ -306,18 +316,33 @@ def test_no_sync_and_clipping_train_within_one_percent() -> None:
         _check_close(runs)
 
 
-def _hybrid_worker(rank: int, world_size: int) -> list[list[float]]:
-    """HYBRID_SHARD in pairs: quantized inside each pair, full precision across them."""
+def _hybrid_worker(rank: int, world_size: int) -> dict:
+    """HYBRID_SHARD in pairs: quantized inside each pair, then across the pairs."""
     groups = shardwrap.hybrid_process_groups(2)
     runs = []
     for quant in (None, {"weights": True, "gradients": True}):
         runs.append(_train(rank, quant, 4, strategy="HYBRID_SHARD", process_group=groups))
-    return runs
+    model = _wrap({"gradients": True}, "HYBRID_SHARD", process_group=groups)
+    _loss(model, 0, rank).backward()
+    kinds = {(r.kind, r.purpose, r.group_size) for r in model.comm_ledger.records}
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    shards = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(shards) for _ in range(world_size)]
+    dist.all_gather(every, shards)
+    return {"runs": runs, "kinds": kinds, "shards": every}
 
 
 def test_hybrid_shard_trains_within_one_percent() -> None:
-    for runs in run_ranks(_hybrid_worker, 4):
-        _check_close(runs)
+    for result in run_ranks(_hybrid_worker, 4):
+        _check_close(result["runs"])
+        # within each pair an all-to-all, across the pairs a quantized all-gather
+        assert ("all_to_all", "grads", 2) in result["kinds"]
+        assert ("all_gather", "grads", 2) in result["kinds"]
+        assert not any(k[:2] in {("all_reduce", "grads"), ("reduce_scatter", "grads")} for k in result["kinds"])
+        # replicas (ranks 0 and 2, 1 and 3) hold the same shard, bit for bit
+        shards = result["shards"]
+        assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])
+        assert not torch.equal(shards[0], shards[1])
 
 
 # ------------------------------------------------------------- DeepSpeed keys
