@@ -157,9 +157,10 @@ def _traffic_worker(rank: int, world_size: int, quant: dict | None, strategy: st
     return out
 
 
-def test_qwz_forward_gather_moves_a_quarter_of_fp32() -> None:
-    plain = run_ranks(_traffic_worker, 2, None, "FULL_SHARD")
-    quant = run_ranks(_traffic_worker, 2, QWZ, "FULL_SHARD")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_qwz_forward_gather_moves_a_quarter_of_fp32(world_size: int) -> None:
+    plain = run_ranks(_traffic_worker, world_size, None, "FULL_SHARD")
+    quant = run_ranks(_traffic_worker, world_size, QWZ, "FULL_SHARD")
     for p, q in zip(plain, quant, strict=True):
         assert 0 < q["forward_gather"] <= QWZ_MAX_RATIO * p["forward_gather"]
         assert 0 < q["forward_sent"] <= QWZ_MAX_RATIO * p["forward_sent"]
@@ -170,11 +171,14 @@ def test_qwz_forward_gather_moves_a_quarter_of_fp32() -> None:
         assert q["backward_sent"] == p["backward_sent"] and q["grads"] == p["grads"]
 
 
-@pytest.mark.parametrize(("quant", "ratio"), [(QGZ8, QGZ8_MAX_RATIO), (QGZ4, QGZ4_MAX_RATIO)])
-def test_qgz_reduction_moves_a_fraction_of_fp32(quant: dict, ratio: float) -> None:
+@pytest.mark.parametrize(
+    ("quant", "ratio", "world_size"),
+    [(QGZ8, QGZ8_MAX_RATIO, 2), (QGZ4, QGZ4_MAX_RATIO, 2), (QGZ8, QGZ8_MAX_RATIO, 4)],
+)
+def test_qgz_reduction_moves_a_fraction_of_fp32(quant: dict, ratio: float, world_size: int):
     # ZeRO-2: backward gathers nothing, so what backward sends is the reduction alone
-    plain = run_ranks(_traffic_worker, 2, None, "SHARD_GRAD_OP")
-    quant_runs = run_ranks(_traffic_worker, 2, quant, "SHARD_GRAD_OP")
+    plain = run_ranks(_traffic_worker, world_size, None, "SHARD_GRAD_OP")
+    quant_runs = run_ranks(_traffic_worker, world_size, quant, "SHARD_GRAD_OP")
     for p, q in zip(plain, quant_runs, strict=True):
         assert ("all_to_all", "grads") in q["kinds"]
         assert ("reduce_scatter", "grads") not in q["kinds"]
