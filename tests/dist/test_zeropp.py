@@ -213,6 +213,12 @@ def test_mixed_precision_trains_within_one_percent() -> None:
         _check_close(runs)
 
 
+def test_cpu_offload_trains_within_one_percent() -> None:
+    offload = {"cpu_offload": shardwrap.CPUOffload(offload_params=True)}
+    for runs in run_ranks(_accuracy_worker, 2, [{"weights": True, "gradients": True}], 3, offload):
+        _check_close(runs)
+
+
 # ---------------------------------------------------------------------- hpZ
 def _hpz_worker(rank: int, world_size: int) -> dict:
     """hpZ alone against plain FULL_SHARD: bit for bit, backward gathers inside pairs."""
