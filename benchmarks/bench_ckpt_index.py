@@ -204,7 +204,7 @@ def measure(shape: LlamaShape, world_size: int, format_1: bool) -> dict:
         with tempfile.TemporaryDirectory() as root:
             start = time.perf_counter()
             with gc_paused():  # as save_checkpoint builds it
-                checkpoint._commit_index(root, SAVE_ID, slots, optimizer, reports, None)
+                checkpoint._commit_index(root, SAVE_ID, slots, optimizer, reports, None, None)
             build_s = time.perf_counter() - start
             index_path = os.path.join(root, "index.json")
             index_size = os.path.getsize(index_path)

@@ -110,14 +110,22 @@ class ShardwrapTrainer(TorchTrainer):
 class DeepSpeedTrainer:
     """A DeepSpeed engine (ZeRO stage 1/2/3, fp32) around the same torch AdamW."""
 
-    def __init__(self, model: nn.Module, *, stage: int, micro_batch: int, world_size: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        stage: int,
+        micro_batch: int,
+        world_size: int,
+        zero_keys: dict | None = None,
+    ):
         import deepspeed
 
         config = {
             "train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": 1,
             "train_batch_size": micro_batch * world_size,
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": stage, **(zero_keys or {})},
             "zero_allow_untested_optimizer": True,
             # DeepSpeed clips to norm 1.0 unless told otherwise; no other implementation clips.
             "gradient_clipping": 0.0,
@@ -170,6 +178,7 @@ def _shardwrap(
     persistence_threshold: int = 0,
     forward_prefetch: bool = True,
     posts_on_helper: bool = True,
+    comm_quantization: dict | None = None,
 ):
     def build(model: nn.Module, **_) -> ShardwrapTrainer:
         import shardwrap
@@ -185,6 +194,9 @@ def _shardwrap(
             # the next block's all-gather overlaps this one's forward
             forward_prefetch=forward_prefetch,
             param_persistence_threshold=persistence_threshold,
+            comm_quantization=(  # ZeRO++ rows; None: off
+                shardwrap.CommQuantization(**comm_quantization) if comm_quantization else None
+            ),
         )
         # As FSDP1 and FSDP2 do: the root stays gathered from forward into backward.
         wrapped.set_reshard_after_forward(False)
@@ -235,11 +247,21 @@ def _ddp(model: nn.Module, **_) -> TorchTrainer:
     return TorchTrainer(wrapped)
 
 
-def _deepspeed(stage: int):
+def _deepspeed(stage: int, zero_keys: dict | None = None):
     def build(model: nn.Module, *, micro_batch: int, world_size: int) -> DeepSpeedTrainer:
-        return DeepSpeedTrainer(model, stage=stage, micro_batch=micro_batch, world_size=world_size)
+        return DeepSpeedTrainer(
+            model, stage=stage, micro_batch=micro_batch, world_size=world_size, zero_keys=zero_keys
+        )
 
     return build
+
+
+ZERO_PLUS_PLUS_ROWS = {
+    "qwz": {"weights": True},
+    "qgz": {"gradients": True},
+    "qgz4": {"gradients": True, "gradient_bits": 4},
+    "qwz_qgz": {"weights": True, "gradients": True},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,12 +339,29 @@ IMPLS: dict[str, ImplSpec] = {
             3,
             _shardwrap("FULL_SHARD", persistence_threshold=300_000),
         ),
+        # ZeRO++ (docs/zeropp.md): quantized weight all-gather, quantized gradient
+        # reduction (int8, int4), both; hpZ needs more ranks than one group (4+).
+        *(
+            ImplSpec(
+                f"sw_full_shard_{name}",
+                "shardwrap",
+                3,
+                _shardwrap("FULL_SHARD", comm_quantization=quant),
+            )
+            for name, quant in ZERO_PLUS_PLUS_ROWS.items()
+        ),
         ImplSpec("fsdp1_full_shard", "fsdp1", 3, _fsdp1("FULL_SHARD")),
         ImplSpec("fsdp1_shard_grad_op", "fsdp1", 2, _fsdp1("SHARD_GRAD_OP")),
         ImplSpec("fsdp2", "fsdp2", 3, _fsdp2),
         ImplSpec("ds_zero1", "deepspeed", 1, _deepspeed(1)),
         ImplSpec("ds_zero2", "deepspeed", 2, _deepspeed(2)),
         ImplSpec("ds_zero3", "deepspeed", 3, _deepspeed(3)),
+        ImplSpec(
+            "ds_zero3_qwz_qgz",
+            "deepspeed",
+            3,
+            _deepspeed(3, {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
+        ),
         ImplSpec("ddp", "ddp", 0, _ddp),
     )
 }
@@ -349,4 +388,6 @@ EXPERIMENTS = (
     "sw_shard_optim_inline_posts",
     "sw_no_shard_per_unit",
     "sw_no_shard_b12",
+    *(f"sw_full_shard_{name}" for name in ZERO_PLUS_PLUS_ROWS),
+    "ds_zero3_qwz_qgz",
 )

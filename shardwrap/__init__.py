@@ -6,6 +6,7 @@ from .ckpt.pretrained import load_pretrained
 from .comm.checks import RankDisagreementError
 from .comm.groups import hybrid_process_groups
 from .comm.launch import init_distributed
+from .data.sampler import ResumableSampler
 from .deepspeed import zero_api as zero
 from .deepspeed.engine import ShardedEngine, initialize
 from .deepspeed.front_door import DeepSpeedConfig, add_config_arguments
@@ -22,6 +23,7 @@ from .fsdp1_options import (
 from .install import install, is_installed, uninstall
 from .options import (
     BackwardPrefetch,
+    CommQuantization,
     CPUOffload,
     DiskOffload,
     FullStateDictConfig,
@@ -37,6 +39,7 @@ __all__ = [
     "BackwardPrefetch",
     "CheckpointError",
     "RankDisagreementError",
+    "CommQuantization",
     "FullStateDictConfig",
     "FullOptimStateDictConfig",
     "OptimStateDictConfig",
@@ -51,6 +54,7 @@ __all__ = [
     "DiskOffload",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "ResumableSampler",
     "ShardedEngine",
     "ShardedGradScaler",
     "ShardedModule",

@@ -18,15 +18,15 @@ safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import secrets
 from collections import defaultdict
 from typing import Any
 
 import torch
 
 from .base.gc_pause import gc_paused
+from .base.validate import check_bool
+from .ckpt import run_state
 from .ckpt.entries import SavedPiece, group_pieces
 from .ckpt.format import (
     INDEX_NAME,
@@ -54,6 +54,7 @@ from .ckpt.optim_state import (
     optimizer_slots,
     state_kind,
 )
+from .ckpt.outcome import agree_on_id, check_json, guarded, settle
 from .ckpt.reader import CheckpointReader
 from .ckpt.safetensors_writer import StreamItem, write_stream
 from .ckpt.slots import ModelSlots, ParamSlot, model_slots
@@ -68,23 +69,38 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: Any = None,
+    sampler: Any = None,
 ) -> None:
     """Save ``model`` (and ``optimizer``) to the folder ``path``; call on every rank.
 
-    ``extra`` is any JSON value (step, epoch, scheduler state, data position); it comes
-    back from :func:`load_checkpoint`. The checkpoint becomes visible only once complete.
+    ``extra`` is any JSON value (step, epoch, scheduler state); it comes back from
+    :func:`load_checkpoint`. Every rank also records its random number generators and
+    ``sampler.state_dict()`` (the data position, e.g. of a
+    :class:`~shardwrap.data.sampler.ResumableSampler`) in a small file of its own
+    ([Note: run state files]). The checkpoint becomes visible only once complete.
     """
     root = os.fspath(path)
     slots = model_slots(model)
     comm = slots.world_comm
     # One all-reduce agrees on rank 0's save id and on whether every rank may go on.
-    opening = _guarded(lambda: _check_json("extra", extra))
-    save_id, failures = _agree_on_id(comm, opening["error"] is not None)
-    _settle(comm, "save", root, opening, failures=failures)
-    report = _guarded(lambda: _write_rank_file(root, save_id, slots, optimizer))
-    written = report.get("file")
+
+    def open_save() -> dict[str, Any]:
+        run_state.check_sampler("sampler", sampler, "state_dict")
+        return check_json("extra", extra)
+
+    opening = guarded(open_save)
+    save_id, failures = agree_on_id(comm, opening["error"] is not None)
+    settle(comm, "save", root, opening, failures=failures)
+
+    def write_rank() -> dict[str, Any]:
+        report = _write_rank_file(root, save_id, slots, optimizer)
+        run_state.write_run_file(root, save_id, comm.rank, comm.size, sampler)
+        return report
+
+    report = guarded(write_rank)
+    written = [report.get("file"), run_state.run_file_name(save_id, comm.rank)]
     undo = lambda: _drop_uncommitted(root, save_id, written)  # noqa: E731
-    # Only rank 0 receives the ranks' records (gather, not all-gather): [Note: index at scale].
+    # Only rank 0 receives the ranks' records (a gather): docs/checkpoint-format.md.
     reports = comm.gather_object(report, purpose="checkpoint")
     if comm.rank == 0:
         failed = [(rank, r["error"]) for rank, r in enumerate(reports) if r["error"]]
@@ -92,73 +108,22 @@ def save_checkpoint(
             report = {"error": "; ".join(f"rank {rank}: {error}" for rank, error in failed)}
         else:
             with gc_paused():  # millions of pieces at scale: see base/gc_pause.py
-                report = _guarded(
-                    lambda: _commit_index(root, save_id, slots, optimizer, reports, extra)
+                report = guarded(
+                    lambda: _commit_index(root, save_id, slots, optimizer, reports, extra, sampler)
                 )
-    _settle(comm, "save", root, report, undo)
+    settle(comm, "save", root, report, undo)
 
 
-def _agree_on_id(comm, failed: bool) -> tuple[str, int]:
-    """Rank 0's fresh save id, and how many ranks failed: one 16-byte all-reduce."""
-    proposal = secrets.randbits(63) if comm.rank == 0 else 0
-    agreed = torch.tensor([proposal, int(failed)], dtype=torch.int64)
-    comm.all_reduce(agreed, purpose="checkpoint").wait()
-    return f"{int(agreed[0]):016x}", int(agreed[1])
-
-
-def _settle(
-    comm, what: str, root: str, report: dict, undo=None, *, failures=None, purpose="checkpoint"
-) -> None:
-    """Raise on every rank if any rank failed; error details travel only on failure.
-
-    A 4-byte all-reduce says whether any rank failed (unless ``failures`` already says);
-    only then does every rank share its error text.
-    """
-    if failures is None:
-        flag = torch.tensor([1 if report["error"] else 0], dtype=torch.int32)
-        comm.all_reduce(flag, purpose=purpose).wait()
-        failures = int(flag)
-    if failures:
-        errors = comm.all_gather_object(report["error"], purpose=purpose)
-        _raise_failures(what, root, [{"error": e} for e in errors], undo)
-
-
-def _drop_uncommitted(root: str, save_id: str, name: str | None) -> None:
-    """After a failed save: remove this rank's new file unless the index already names it."""
-    if name is None:
-        return
+def _drop_uncommitted(root: str, save_id: str, names: list[str | None]) -> None:
+    """After a failed save: remove this rank's new files unless the index already names them."""
     try:
         committed = read_index(root).meta.get("save_id")
     except (OSError, CheckpointError):
         committed = None
     if committed != save_id:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(root, name))
-
-
-def _check_json(argument: str, value: Any) -> dict[str, Any]:
-    try:
-        json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{argument}: must be JSON-serialisable ({exc})") from exc
-    return {}
-
-
-def _guarded(action) -> dict[str, Any]:
-    """Run ``action``; return its result dict, or the error as text for the other ranks."""
-    try:
-        return {"error": None, **action()}
-    except Exception as exc:  # noqa: BLE001 - every rank must learn about every failure
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def _raise_failures(what: str, root: str, reports: list[dict[str, Any]], undo=None) -> None:
-    failed = [(rank, r["error"]) for rank, r in enumerate(reports) if r["error"]]
-    if failed and undo is not None:
-        undo()
-    if failed:
-        details = "; ".join(f"rank {rank}: {error}" for rank, error in failed)
-        raise CheckpointError(f"{what} of checkpoint {root} failed on {details}")
+        for name in filter(None, names):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(root, name))
 
 
 def _write_rank_file(
@@ -218,7 +183,7 @@ def _run_pattern(slot: ParamSlot | None) -> tuple[int, int]:
 
 
 def _commit_index(
-    root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra: Any
+    root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra, sampler
 ) -> dict[str, Any]:
     """World rank 0, once every rank's file is durable: write the index, drop old files."""
     pieces = _collect_pieces(reports)
@@ -244,6 +209,7 @@ def _commit_index(
             "world_size": slots.world_comm.size,
             "strategy": _strategy_name(slots),
             **({"optimizer_class": optimizer_class_name(optimizer)} if optimizer else {}),
+            run_state.META_KEY: run_state.index_record(sampler),
         },
         params=params,
         aliases=dict(slots.aliases),
@@ -254,7 +220,7 @@ def _commit_index(
         extra=extra,
     )
     write_atomic(root, INDEX_NAME, index_bytes(index))
-    remove_stale_files(root, keep=set(files))
+    remove_stale_files(root, keep=set(files), save_id=save_id)
     return {}
 
 
@@ -316,11 +282,15 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
+    sampler: Any = None,
+    restore_rng: bool = True,
 ) -> Any:
     """Load a checkpoint saved at any world size and strategy; returns its ``extra``.
 
     Call on every rank. With ``strict``, parameters or buffers present on only one side
-    are an error; without it they are skipped.
+    are an error; without it they are skipped. ``sampler.load_state_dict`` gets the saved
+    data position; with ``restore_rng`` every rank's random number generators continue
+    where they were saved ([Note: run state files]; nothing for a checkpoint without them).
     """
     root = os.fspath(path)
     slots = model_slots(model)
@@ -328,11 +298,19 @@ def load_checkpoint(
     result: dict[str, Any] = {}
 
     def load() -> dict[str, Any]:
+        run_state.check_sampler("sampler", sampler, "load_state_dict")
+        check_bool("restore_rng", restore_rng)
         index = read_index(root)
         matched = match_names(index, slots, strict)
         check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
         if optimizer is not None:  # refuse a misfit before the model changes
             _check_optimizer(index, slots, optimizer)
+        result["run"] = None
+        if restore_rng or sampler is not None:
+            run, data = run_state.read_for_load(root, index.meta, comm.rank, comm.size, sampler)
+            if sampler is not None:
+                sampler.load_state_dict(data)
+            result["run"] = run if restore_rng else None
         with CheckpointReader(root, index) as reader:
             _load_params(index, reader, slots, matched)
             if optimizer is not None:
@@ -340,7 +318,9 @@ def load_checkpoint(
         result["extra"] = index.extra
         return {}
 
-    _settle(comm, "load", root, _guarded(load))
+    settle(comm, "load", root, guarded(load))
+    if result["run"] is not None:
+        result["run"].restore_rng(comm.rank)
     return result["extra"]
 
 

@@ -54,6 +54,7 @@ from torch import nn
 
 from .base.torch_compat import preserve_version_counter
 from .comm.collectives import ROOT_LABEL, Communicator
+from .core.comm_quant import UnitCommQuant
 from .core.grads import UnitGrads
 from .core.precision import HandlePrecision
 from .core.storage import HostStorage, ShardAllocator, StagedShard
@@ -139,6 +140,7 @@ class FlatParamHandle:
         self.wrapped_requires_grad = [info.requires_grad for info in layout.params]
         self.has_trainable_params = any(self.wrapped_requires_grad)
         self.grads = self._make_grads()
+        self.comm_quant: UnitCommQuant | None = None  # ZeRO++ ([Note: ZeRO++ in a unit])
         self.reshard(free=True)
 
     def _place_tensors(
@@ -276,9 +278,14 @@ class FlatParamHandle:
         shard, staged = self.gather_source()
         guard = preserve_version_counter(self.flat_full)
         with guard:
-            work = self.shard_comm.all_gather(
-                self.flat_full, shard, purpose="params", unit=self.comm_label
-            )
+            if self.comm_quant is not None:
+                work = self.comm_quant.gather(
+                    self.shard_comm, self.flat_full, shard, version=version, unit=self.comm_label
+                )
+            else:
+                work = self.shard_comm.all_gather(
+                    self.flat_full, shard, purpose="params", unit=self.comm_label
+                )
         self._pending = _PendingGather(work, version, guard, shard, staged)
 
     def _finish_gather(self) -> None:
@@ -344,8 +351,13 @@ class FlatParamHandle:
         self.state = ShardedState.SHARDED
         if free and self.separate_full:
             self._finish_gather()  # never release storage under an all-gather in flight
+            if self.comm_quant is not None:  # hpZ
+                self.comm_quant.keep_secondary(self.flat_full, self._current_version())
             self.flat_full.untyped_storage().resize_(0)
             self._gathered_version = None
+
+    def _current_version(self) -> ShardVersion | None:
+        return self._gathered_version if self.full_is_current else None
 
     @property
     def full_storage_bytes(self) -> int:

@@ -11,6 +11,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from .base.quantize import BlockCodec
 from .base.records import as_record
 from .base.validate import check_bools, check_int
 
@@ -241,3 +242,60 @@ class DiskOffload:
         if not isinstance(self.path, str) or not self.path:
             raise TypeError(f"DiskOffload: path must be a non-empty str, got {self.path!r}")
         check_int("DiskOffload: sub_group_size", self.sub_group_size, minimum=1)
+
+
+@dataclass(frozen=True, slots=True)
+class CommQuantization:
+    """ZeRO++'s three ways to move fewer bytes, each off unless asked for (``docs/zeropp.md``).
+
+    * ``weights`` (qwZ): the forward all-gather of a sharded unit sends its shard
+      block-quantized to ``weight_bits``; every rank dequantizes into the compute dtype.
+      The shard (master weights) and the optimizer never see quantized values; the
+      backward all-gather moves full compute precision (or comes from the hpZ partition).
+    * ``gradients`` (qgZ): the reduce-scatter of a sharded unit's gradients becomes an
+      all-to-all of block-quantized slices (``gradient_bits``, 8 or 4), dequantized and
+      summed in fp32.
+    * ``hpz_partition_size`` (hpZ): after forward each sharded unit keeps a secondary
+      shard of its gathered parameters over groups of this many consecutive ranks of its
+      shard group, and the backward all-gather runs inside that group. ``1`` (DeepSpeed's
+      default) turns it off; it must divide the shard group's size.
+
+    ``block_size``: values per fp32 scale (even, >= 2).
+    """
+
+    weights: bool = False
+    weight_bits: int = 8
+    gradients: bool = False
+    gradient_bits: int = 8
+    block_size: int = 256
+    hpz_partition_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_bools(self, "weights", "gradients")
+        for name in ("weight_bits", "gradient_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in (8, 4):
+                raise ValueError(f"{name}: expected 8 or 4, got {value!r}")
+        check_int("block_size", self.block_size, minimum=2)
+        if self.block_size % 2:
+            raise ValueError(f"block_size: must be even, got {self.block_size}")
+        check_int("hpz_partition_size", self.hpz_partition_size, minimum=1, meaning="1 is off")
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights or self.gradients or self.hpz_partition_size > 1
+
+    @property
+    def weight_codec(self) -> BlockCodec | None:
+        return BlockCodec(self.weight_bits, self.block_size) if self.weights else None
+
+    @property
+    def gradient_codec(self) -> BlockCodec | None:
+        return BlockCodec(self.gradient_bits, self.block_size) if self.gradients else None
+
+    @classmethod
+    def parse(cls, value: object) -> CommQuantization | None:
+        """Accept ``None`` or a ``CommQuantization``."""
+        if value is None or isinstance(value, cls):
+            return value
+        raise TypeError(f"comm_quantization: expected CommQuantization or None, got {value!r}")

@@ -45,7 +45,8 @@ def memory_by_category(
 
     * ``full_params``: gathered buffers currently allocated (0 once every unit resharded
       and freed them; always 0 for units of one shard whose shard is the full tensor, that
-      is without a low-precision or CPUOffload device copy);
+      is without a low-precision or CPUOffload device copy), and ZeRO++'s hpZ secondary
+      shards kept from forward to backward;
     * ``param_shards``: each unit's flat shard, padding included;
     * ``grads``: gradients on the shard views, local gradients still on the full views
       (under ``no_sync``) and reduced gradients waiting for the presence vote;
@@ -61,6 +62,8 @@ def memory_by_category(
         if handle.separate_full:
             totals["full_params"] += _storage_bytes(handle.flat_full, counted)
         totals["param_shards"] += _storage_bytes(handle.flat_shard, counted)
+        if handle.comm_quant is not None:  # hpZ: a secondary shard of the gathered copy
+            totals["full_params"] += handle.comm_quant.secondary_bytes
     for handle in handles:
         grads = [p.grad for p in (*handle.shard_params, *handle.full_params)]
         grads.append(handle.grads.pending_grad_shard)
@@ -103,6 +106,13 @@ class CollectiveStats:
     count: int
     num_bytes: int  # bytes this rank sent into them
     seconds: float  # summed wall time, issue to end of wait
+    # bytes the same collectives move without ZeRO++'s quantization (0: none quantized)
+    unquantized_bytes: int = 0
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes quantization saved ([Note: quantized collectives])."""
+        return self.unquantized_bytes - self.num_bytes if self.unquantized_bytes else 0
 
 
 @dataclass
@@ -122,6 +132,10 @@ class StepProfile:
     def count(self, kind: str, purpose: str | None = None, unit: str | None = None) -> int:
         return sum(s.count for s in self._matching(kind, purpose, unit))
 
+    def saved_bytes(self, unit: str | None = None) -> int:
+        """Bytes ZeRO++'s quantized collectives saved (of one unit, or all)."""
+        return sum(s.saved_bytes for s in self.collectives if unit is None or s.unit == unit)
+
     def by_kind(self) -> dict[str, tuple[int, int, float]]:
         """``{kind: (count, bytes, seconds)}`` summed over units and purposes."""
         out: dict[str, tuple[int, int, float]] = {}
@@ -132,11 +146,14 @@ class StepProfile:
 
     def table(self) -> str:
         """A plain-text table, one line per (unit, kind, purpose)."""
-        lines = [f"{'unit':<24} {'kind':<18} {'purpose':<14} {'count':>5} {'bytes':>12} {'ms':>9}"]
+        lines = [
+            f"{'unit':<24} {'kind':<18} {'purpose':<14} {'count':>5} {'bytes':>12} "
+            f"{'saved':>12} {'ms':>9}"
+        ]
         for s in self.collectives:
             lines.append(
                 f"{s.unit:<24} {s.kind:<18} {s.purpose:<14} {s.count:>5} "
-                f"{s.num_bytes:>12} {1e3 * s.seconds:>9.2f}"
+                f"{s.num_bytes:>12} {s.saved_bytes:>12} {1e3 * s.seconds:>9.2f}"
             )
         lines.append(f"step wall time: {1e3 * self.wall_s:.2f} ms")
         return "\n".join(lines)
@@ -183,6 +200,14 @@ def summarize(records) -> list[CollectiveStats]:
             count=len(rs),
             num_bytes=sum(r.num_bytes for r in rs),
             seconds=sum(r.elapsed_s or 0.0 for r in rs),
+            unquantized_bytes=_unquantized(rs),
         )
         for (unit, kind, purpose), rs in groups.items()
     ]
+
+
+def _unquantized(records) -> int:
+    """What ``records`` would move unquantized; 0 when none was quantized."""
+    if not any(r.unquantized_bytes for r in records):
+        return 0
+    return sum(r.unquantized_bytes or r.num_bytes for r in records)

@@ -16,6 +16,7 @@ from .base.records import as_record
 from .base.validate import check_bool
 from .build import casts as precision
 from .build.agreement import agreed_options
+from .build.comm_quant import quantize_comms
 from .build.comms import root_comms
 from .build.fsdp_units import FSDP1Attributes, FSDPMeta, as_fsdp_unit
 from .build.nesting import absorb_nested, check_not_wrapped
@@ -23,7 +24,6 @@ from .build.setup import (
     check_bucket_bytes,
     check_unsupported,
     disk_store_for,
-    require_process_group,
     resolve_ignored,
     shard_root,
 )
@@ -77,6 +77,8 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     Parameter and state-dict names are exactly those of the unwrapped ``module``; the
     parameters the optimizer receives are this rank's pieces of the originals.
 
+    ``comm_quantization`` (keyword only): ZeRO++'s switches, a ``CommQuantization``.
+
     ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
     fewer elements are kept whole and replicated on every rank, never all-gathered, their
     gradients all-reduced; see [Note: parameter persistence] in ``layout/persistence.py``.
@@ -105,11 +107,11 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         device_mesh: Any = None,
         *,
         param_persistence_threshold: int = 0,
+        comm_quantization: Any = None,
     ) -> None:
         super().__init__()
         self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
         check_not_wrapped(module)
-        require_process_group()
         self._set_options(
             sharding_strategy,
             backward_prefetch,
@@ -123,7 +125,6 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         cpu_offload = cpu_offload and as_record("cpu_offload", cpu_offload, CPUOffload, DiskOffload)
         check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
-        self.disk_store = disk_store_for(cpu_offload)  # DiskOffload: shards, Adam state in files
         policy = as_policy(auto_wrap_policy)
         ignored = resolve_ignored(ignored_modules, ignored_states, module)
         self.comm_ledger = CommLedger()
@@ -133,6 +134,8 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
             self.comm_ledger,
             self.param_persistence_threshold,
         )
+        # DiskOffload: shards and Adam state in mapped files, named by the rank in the world.
+        self.disk_store = disk_store_for(cpu_offload, comms.world.rank)
         absorbed = absorb_nested(module, policy=policy)
         new_units, full_precision = shard_root(
             module,
@@ -153,6 +156,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         )
         if self.disk_store is not None:
             self.disk_store.attach(u.handle for u in new_units)
+        self.comm_quantization = quantize_comms(comm_quantization, new_units, comms)
         self.module = module
         self._units: list[Unit] = new_units + list(absorbed)
         self._start_runtime(comms.world, new_units, full_precision)

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ..base.validate import check_int
-from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..core.storage import ShardAllocator
 from ..core.unit import Unit
@@ -202,17 +201,8 @@ def shard_root(
     return new_units, full_precision
 
 
-def require_process_group() -> None:
-    """Raise unless a default process group is up (ShardedModule needs one)."""
-    if not collectives.is_initialized():
-        raise RuntimeError(
-            "ShardedModule: no process group is initialised; call "
-            "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
-        )
-
-
-def disk_store_for(cpu_offload: object) -> DiskStore | None:
+def disk_store_for(cpu_offload: object, world_rank: int) -> DiskStore | None:
     """``DiskOffload``'s store of shards and Adam state in mapped files, else None."""
     if not isinstance(cpu_offload, DiskOffload):
         return None
-    return DiskStore(cpu_offload.path, collectives.world_rank(), cpu_offload.sub_group_size)
+    return DiskStore(cpu_offload.path, world_rank, cpu_offload.sub_group_size)

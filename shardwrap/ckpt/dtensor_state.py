@@ -191,6 +191,18 @@ def _is_ours(value: DTensor, handle: FlatParamHandle, world_comm: Communicator) 
     )
 
 
+def _whole_tensor(key: str, value: object) -> torch.Tensor:
+    """``value`` as a plain tensor: a tensor, or a stand-in that loads itself through
+    ``__torch_function__`` (Lightning's lazily loaded checkpoint tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if hasattr(type(value), "__torch_function__"):
+        loaded = torch.detach(value)
+        if isinstance(loaded, torch.Tensor):
+            return loaded
+    raise TypeError(f"state_dict[{key!r}]: expected a tensor, got {type(value).__name__}")
+
+
 def local_pieces(
     slots: ModelSlots, items: Iterable[tuple[ParamSlot, str, torch.Tensor]]
 ) -> dict[tuple[str, str], torch.Tensor]:
@@ -210,7 +222,7 @@ def local_pieces(
             _check_shape(key, tuple(value.shape), slot.shape)
             chunked.setdefault(id(slot.handle), []).append((slot, key, value))
             continue
-        whole = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+        whole = value.full_tensor() if isinstance(value, DTensor) else _whole_tensor(key, value)
         _check_shape(key, tuple(whole.shape), slot.shape)
         piece = whole.reshape(-1)[slot.start : slot.end]
         result[(slot.fqn, key)] = piece.reshape(slot.local.shape)

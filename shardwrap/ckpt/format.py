@@ -61,8 +61,9 @@ INDEX_NAME = "index.json"
 FORMAT_NAME = "shardwrap-checkpoint"
 FORMAT_VERSION = 2  # 2: piece runs ([Note: piece runs] in entries.py); 1 still loads
 READABLE_VERSIONS = (1, 2)
-META_KEYS = ("save_id", "world_size", "num_shards", "strategy", "optimizer_class")
+META_KEYS = ("save_id", "world_size", "num_shards", "strategy", "optimizer_class", "run_state")
 SHARD_FILE_PATTERN = re.compile(r"^[0-9a-f]{16}-rank\d{5}\.safetensors$")
+RUN_FILE_PATTERN = re.compile(r"^[0-9a-f]{16}-rank\d{5}\.run\.json$")  # ckpt/run_state.py
 TEMP_SUFFIX = ".tmp"
 DEFAULT_CHUNK_BYTES = 1 << 22  # 4 MiB: the unit of checksum verification on load
 
@@ -179,13 +180,14 @@ def write_atomic(folder: str, name: str, data: bytes) -> None:
     fsync_dir(folder)
 
 
-def remove_stale_files(folder: str, keep: set[str]) -> list[str]:
-    """Delete shard files and temporaries of older or unfinished saves; returns their names."""
+def remove_stale_files(folder: str, keep: set[str], save_id: str | None = None) -> list[str]:
+    """Delete shard files, run files not of ``save_id`` and temporaries; returns their names."""
     removed = []
     for name in os.listdir(folder):
         stale_shard = SHARD_FILE_PATTERN.match(name) and name not in keep
+        stale_run = RUN_FILE_PATTERN.match(name) and not name.startswith(f"{save_id}-")
         temporary = name.startswith(".") and name.endswith(TEMP_SUFFIX)
-        if stale_shard or temporary:
+        if stale_shard or stale_run or temporary:
             os.remove(os.path.join(folder, name))
             removed.append(name)
     return removed

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import _guarded, _settle
 from .consolidate import HF_INDEX_FILE, HF_SINGLE_FILE
 from .format import CheckpointError, member_path
+from .outcome import guarded, settle
 from .slots import ParamSlot, model_slots
 
 
@@ -52,8 +52,8 @@ def load_pretrained(model: Any, path: str | os.PathLike, *, strict: bool = True)
     """
     root = os.fspath(path)
     slots = model_slots(model)
-    report = _guarded(lambda: _load(root, slots, strict))
-    _settle(slots.world_comm, "load_pretrained", root, report, purpose="load_pretrained")
+    report = guarded(lambda: _load(root, slots, strict))
+    settle(slots.world_comm, "load_pretrained", root, report, purpose="load_pretrained")
 
 
 def _load(root: str, slots, strict: bool) -> dict[str, Any]:

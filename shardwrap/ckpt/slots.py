@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..flat_param import FlatParamHandle
 
@@ -59,7 +58,8 @@ class ModelSlots:
 
 
 def world_communicator(model: nn.Module) -> Communicator:
-    return Communicator(collectives.default_group(), model.comm_ledger)
+    """Over the model's world: the default group, or its own group when there is none."""
+    return Communicator(model._runtime.world_comm.group, model.comm_ledger)
 
 
 def model_slots(model: nn.Module) -> ModelSlots:

@@ -39,12 +39,14 @@ ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is 
 class CommRecord:
     """One collective as this rank issued it."""
 
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast" | "all_to_all"
     purpose: str  # e.g. "params", "grads", "grad_presence", "init"
     num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
     group_size: int
     unit: str = ""  # the unit it serves ("" for the root unit or none)
     elapsed_s: float | None = None  # issue to end of wait, when the ledger times collectives
+    # Quantized (comm/quantized.py): the bytes the same collective moves unquantized; else 0.
+    unquantized_bytes: int = 0
 
     @property
     def wire_bytes(self) -> float:
@@ -141,15 +143,17 @@ class Communicator:
     def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger) -> None:
         self.group = group
         self.ledger = ledger
-        self.rank: int = dist.get_rank(group) if group is not None else 0
-        self.size: int = dist.get_world_size(group) if group is not None else 1
+        # The group's own rank and size: a group built without a default process group is
+        # not in torch's registry, so ``dist.get_rank(group)`` cannot answer for it.
+        self.rank: int = group.rank() if group is not None else 0
+        self.size: int = group.size() if group is not None else 1
         self.checker: CollectiveChecker | None = None  # debug: verify ranks agree first
         # [Note: host tensors on accelerator-only backends]
         # Flags, norms and counts are small host tensors. A group whose backend has no CPU
         # transport (plain "nccl") cannot reduce them, so they travel through a copy on the
         # current accelerator; "gloo" or a device-mapped backend ("cpu:gloo,cuda:nccl",
         # torch's default) reduces them where they are.
-        backend = None if group is None else dist.get_backend(group)
+        backend = None if group is None else group_backend(group)
         self.host_capable = backend is None or backend_handles_cpu(backend)
         self.staging_device: torch.device | None = None  # None: the current accelerator
         self._gloo = backend == "gloo"
@@ -171,13 +175,15 @@ class Communicator:
             )
 
     def all_gather(
-        self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit: str = ""
+        self, out_full: torch.Tensor, in_shard: torch.Tensor, *, purpose: str, unit="", **note
     ):
-        """Concatenate every rank's ``in_shard`` into ``out_full``; returns a waitable."""
+        """Concatenate every rank's ``in_shard`` into ``out_full``; returns a waitable.
+
+        ``note``: further :class:`CommRecord` fields (``unquantized_bytes``)."""
         if self.size == 1:
             out_full.copy_(in_shard)
             return _DoneWork()
-        start = self._record("all_gather", purpose, out_full, unit)
+        start = self._record("all_gather", purpose, out_full, unit, **note)
         if self._pairwise(out_full):
             work = pairwise.all_gather(self.group, self.rank, self.size, out_full, in_shard)
             return self._timed(work, start)
@@ -201,6 +207,19 @@ class Communicator:
         work = dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
+        return self._timed(work, start)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, purpose: str, unit: str, **note):
+        """Slice r of ``inp`` (1D, ``size`` equal slices) to rank r; rank r's slice for this
+        rank into slice r of ``out``. Returns a waitable; ``note`` as for all_gather."""
+        if self.size == 1:
+            out.copy_(inp)
+            return _DoneWork()
+        start = self._record("all_to_all", purpose, inp, unit, **note)
+        if self._pairwise(inp):
+            work = pairwise.all_to_all(self.group, self.rank, self.size, out, inp)
+            return self._timed(work, start)
+        work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
         return self._timed(work, start)
 
     def all_reduce(
@@ -280,12 +299,12 @@ class Communicator:
     def _copied_back(work, staged: torch.Tensor, tensor: torch.Tensor):
         return work if staged is tensor else _CopyBackWork(work, staged, tensor)
 
-    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str = "") -> float:
+    def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit="", **note) -> float:
         """Check (debug), record, and return the issue time for :meth:`_timed`."""
         self._check_not_released()
         if self.checker is not None:
             self.checker.check(kind, purpose, unit, tensor, self.size)
-        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit))
+        self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit, **note))
         return time.perf_counter()
 
     def _timed(self, work, start: float):
@@ -347,6 +366,14 @@ def _current_accelerator() -> torch.device:
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def group_backend(group: dist.ProcessGroup) -> str:
+    """The backend name of ``group``, registered with torch or not (``"gloo"``, ``"nccl"``)."""
+    try:
+        return dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return group.name()
 
 
 def world_rank() -> int:

@@ -50,7 +50,13 @@ def hybrid_process_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.Proc
 def resolve_groups(
     strategy: ShardingStrategy, process_group: object, device_mesh: object
 ) -> GroupLayout:
-    """Validate ``process_group``/``device_mesh`` for ``strategy`` and pick the two groups."""
+    """Validate ``process_group``/``device_mesh`` for ``strategy`` and pick the two groups.
+
+    Without a default process group (torch FSDP1 allows this when ``process_group`` is
+    given), the given group is the model's whole world: checkpoints and checks run over it.
+    """
+    if not collectives.is_initialized():
+        return _groups_without_default(strategy, process_group, device_mesh)
     world_group = collectives.default_group()
     if strategy.is_hybrid:
         shard_group, replicate_group = _hybrid_groups(process_group, device_mesh)
@@ -76,6 +82,26 @@ def resolve_groups(
     return GroupLayout(group, None, world_group)
 
 
+def _groups_without_default(
+    strategy: ShardingStrategy, process_group: object, device_mesh: object
+) -> GroupLayout:
+    if process_group is None and device_mesh is None:
+        raise RuntimeError(
+            "ShardedModule: no process group is initialised; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment) "
+            "or pass process_group="
+        )
+    if strategy.is_hybrid or not isinstance(process_group, dist.ProcessGroup):
+        raise ValueError(
+            f"process_group: without a default process group {strategy.name} needs one "
+            f"ProcessGroup (got {type(process_group).__name__}); hybrid sharding and "
+            "device_mesh need torch.distributed.init_process_group(...) first"
+        )
+    if strategy is ShardingStrategy.NO_SHARD:
+        return GroupLayout(None, process_group, process_group)
+    return GroupLayout(process_group, None, process_group)
+
+
 def _hybrid_groups(process_group: object, device_mesh: object):
     if device_mesh is not None:
         if getattr(device_mesh, "ndim", None) != 2:
@@ -94,7 +120,7 @@ def _hybrid_groups(process_group: object, device_mesh: object):
 
 
 def _check_member(group: dist.ProcessGroup, argument: str) -> None:
-    if dist.get_rank(group) < 0:
+    if not isinstance(group, dist.ProcessGroup) or group.rank() < 0:
         raise ValueError(f"{argument}: rank {collectives.world_rank()} is not a member")
 
 

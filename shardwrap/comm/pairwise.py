@@ -114,6 +114,18 @@ def reduce_scatter(
     return PairwiseWork(posted, finish)
 
 
+def all_to_all(
+    group: dist.ProcessGroup, rank: int, size: int, out: torch.Tensor, inp: torch.Tensor
+) -> PairwiseWork:
+    """Slice ``peer`` of ``inp`` to each peer; each peer's slice for this rank into slice
+    ``peer`` of ``out`` (both 1D, ``size`` slices). ``inp`` must stay unchanged until the wait."""
+    sends, receives = inp.view(size, -1), out.view(size, -1)
+    receives[rank].copy_(sends[rank])
+    tag = _next_tag(group)
+    exchanges = [(sends[peer], receives[peer], peer) for peer in _peers(rank, size)]
+    return PairwiseWork(posting.post(functools.partial(_exchange, group, exchanges, tag)))
+
+
 def _exchange(
     group: dist.ProcessGroup, exchanges: list[tuple[torch.Tensor, torch.Tensor, int]], tag: int
 ) -> list:

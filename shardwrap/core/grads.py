@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..base.quantize import BlockCodec
+from ..comm import quantized
 from ..comm.collectives import Communicator
 from ..layout.flat import FlatLayout
 from ..layout.grad_slots import GradSlots, chunk_split
@@ -76,6 +78,8 @@ class UnitGrads:
         self.local_grad_present = [False] * len(self.layout.params)
         self._reductions: list[_Reduction] = []  # gradient reductions issued, not yet waited
         self._grad_buffer = ReusableGradBuffer()  # plain data parallel only
+        # qgZ: quantize the reduce-scatter ([Note: ZeRO++ in a unit] in core/comm_quant.py)
+        self.grad_codec: BlockCodec | None = None
 
     def rename(self, layout: FlatLayout, comm_label: str) -> None:
         """Follow the handle's :meth:`~shardwrap.flat_param.FlatParamHandle.rename`."""
@@ -117,8 +121,13 @@ class UnitGrads:
         reduced = torch.empty(
             self.grad_slots.chunk_numel, dtype=self.reduce_dtype, device=flat_grad.device
         )
-        work = self.shard_comm.reduce_scatter(
-            reduced, flat_grad, purpose="grads", unit=self.comm_label
+        work = quantized.reduce_scatter(
+            self.shard_comm,
+            reduced,
+            flat_grad,
+            purpose="grads",
+            unit=self.comm_label,
+            codec=self.grad_codec,
         )
         self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
 
@@ -155,7 +164,13 @@ class UnitGrads:
     def accept_reduced(self, reduced: torch.Tensor, *, replicate_done: bool) -> None:
         """Finish a reduction of this rank's chunk (1D, chunk_numel): replicas, scale, add."""
         if self.replicate_comm is not None and not replicate_done:
-            self.replicate_comm.all_reduce(reduced, purpose="grads", unit=self.comm_label).wait()
+            quantized.all_reduce(  # qgZ: hierarchical, quantized across replicas too
+                self.replicate_comm,
+                reduced,
+                purpose="grads",
+                unit=self.comm_label,
+                codec=self.grad_codec,
+            ).wait()
         reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
         if self.host_staging is not None:  # the optimizer steps on the host
             reduced = self.host_staging.to_host(reduced)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..flat_param import FlatParamHandle
 from ..options import ShardingStrategy
+from .comm_quant import GatherPhase
 
 
 class TrainingState(enum.Enum):
@@ -20,6 +21,9 @@ class TrainingState(enum.Enum):
     FORWARD = "FORWARD"  # ran forward this step; its gradients may still come
     BACKWARD = "BACKWARD"  # gathered again for backward; local gradients accumulating
     BACKWARD_DONE = "BACKWARD_DONE"  # gradients reduced (or kept, under no_sync); resharded
+
+
+_PHASES = {TrainingState.IDLE: GatherPhase.FORWARD, TrainingState.FORWARD: GatherPhase.BACKWARD}
 
 
 class Unit:
@@ -78,6 +82,7 @@ class Unit:
     def end_step(self) -> None:
         """The step is over (backward finished, or a forward was abandoned): from any state."""
         self.state = TrainingState.IDLE
+        self._note_phase()
 
     def _move(self, to: TrainingState, *allowed: TrainingState) -> None:
         if self.state not in allowed:
@@ -87,6 +92,12 @@ class Unit:
                 f"(only from {names})"
             )
         self.state = to
+        self._note_phase()
+
+    def _note_phase(self) -> None:
+        """Tell a ZeRO++ handle what its next gather is for ([Note: ZeRO++ in a unit])."""
+        if self.handle is not None and self.handle.comm_quant is not None:
+            self.handle.comm_quant.note_phase(_PHASES.get(self.state, GatherPhase.AFTER))
 
     def remove(self) -> None:
         """Remove this unit's forward hooks from its module."""

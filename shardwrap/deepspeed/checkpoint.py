@@ -3,7 +3,8 @@
 ``save_dir/<tag>/`` holds one of our sharded checkpoints (loadable on any number of
 ranks); ``save_dir/latest`` holds the newest tag as text, as DeepSpeed writes it. The
 engine's counters, the scheduler's state and the user's ``client_state`` travel in the
-checkpoint's ``extra`` record.
+checkpoint's ``extra`` record; every rank's random number generators in its run state file
+(restored unless ``load_module_only``).
 """
 
 from __future__ import annotations
@@ -99,7 +100,14 @@ def load(
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_checkpoint: no checkpoint directory {path!r}")
     optimizer = engine.optimizer if load_optimizer else None
-    extra = checkpoint.load_checkpoint(path, engine.module, optimizer, strict=strict) or {}
+    # Random number generators continue too (as the counters do), unless only the module is
+    # loaded (a fine-tune from weights keeps its own streams).
+    extra = (
+        checkpoint.load_checkpoint(
+            path, engine.module, optimizer, strict=strict, restore_rng=load_counters
+        )
+        or {}
+    )
     if load_counters and "engine" in extra:
         engine.global_steps = int(extra["engine"]["global_steps"])
         engine.micro_steps = int(extra["engine"]["micro_steps"])

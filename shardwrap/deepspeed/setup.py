@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..build.setup import on_accelerator
-from ..options import CPUOffload, DiskOffload, MixedPrecision
+from ..options import CommQuantization, CPUOffload, DiskOffload, MixedPrecision
 from ..planner.estimate import STAGE_STRATEGIES
 from ..wrap import ShardedModule
 from .config import DeepSpeedConfig
@@ -81,6 +81,7 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
                 f"{model.param_persistence_threshold}, but the config's "
                 f"zero_optimization.stage3_param_persistence_threshold is {threshold}"
             )
+        _check_prewrapped_quantization(model, comm_quantization_of(zero))
         return model
     return ShardedModule(
         model,
@@ -89,7 +90,30 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
         cpu_offload=cpu_offload,
         mixed_precision=mixed_precision_of(config),
         param_persistence_threshold=zero.unit_persistence_threshold,
+        comm_quantization=comm_quantization_of(zero),
     )
+
+
+def comm_quantization_of(zero: ZeroConfig) -> CommQuantization | None:
+    """The ZeRO++ keys as ``ShardedModule``'s ``comm_quantization`` (None: all off)."""
+    config = CommQuantization(
+        weights=zero.zero_quantized_weights,
+        gradients=zero.zero_quantized_gradients,
+        hpz_partition_size=zero.zero_hpz_partition_size,
+    )
+    return config if config.enabled else None
+
+
+def _check_prewrapped_quantization(model: ShardedModule, wanted: CommQuantization | None) -> None:
+    mine = model.comm_quantization if model.comm_quantization else None
+    if mine is not None and not mine.enabled:
+        mine = None
+    if mine != wanted:
+        raise ValueError(
+            f"model: a ShardedModule with comm_quantization={mine}, but the config's ZeRO++ "
+            f"keys (zero_quantized_weights, zero_quantized_gradients, zero_hpz_partition_size) "
+            f"ask for {wanted}"
+        )
 
 
 def _check_prewrapped_offload(

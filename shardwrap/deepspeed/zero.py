@@ -62,15 +62,16 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     round_robin_gradients: bool = False
     ignore_unused_parameters: bool = True
+    # ZeRO++ (stage 3 only): ShardedModule's comm_quantization, see docs/zeropp.md
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
     # Not a config key: stage3_param_persistence_threshold when the config sets it at
     # stage 3, else 0 (off); ShardedModule's param_persistence_threshold.
     unit_persistence_threshold: int = 0
 
 
 _ZERO_UNSUPPORTED = {
-    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning (hpZ)"),
-    "zero_quantized_weights": (False, "ZeRO++ quantized weights (qwZ)"),
-    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients (qgZ)"),
     "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized frozen weights"),
     "elastic_checkpoint": (False, "shardwrap checkpoints load on any number of ranks anyway"),
     "mics_shard_size": (-1, "MiCS sharding; use HYBRID_SHARD via ShardedModule"),
@@ -84,7 +85,15 @@ _ZERO_BOOLS = (
     "stage3_gather_16bit_weights_on_model_save",
     "round_robin_gradients",
     "ignore_unused_parameters",
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
 )
+# ZeRO++'s keys, each with its off value and its name in the ZeRO++ paper.
+ZERO_PLUS_PLUS = {
+    "zero_quantized_weights": (False, "qwZ"),
+    "zero_quantized_gradients": (False, "qgZ"),
+    "zero_hpz_partition_size": (1, "hpZ"),
+}
 _ZERO_SIZES = (
     "reduce_bucket_size",
     "allgather_bucket_size",
@@ -112,6 +121,12 @@ def parse_zero(raw: dict) -> ZeroConfig:
         values[name] = section.boolean(name, getattr(defaults, name))
     for name in _ZERO_SIZES:
         values[name] = section.integer(name, getattr(defaults, name))
+    values["zero_hpz_partition_size"] = section.integer("zero_hpz_partition_size", 1, minimum=1)
+    for key, (off, name) in ZERO_PLUS_PLUS.items():
+        if values[key] != off and stage != 3:
+            raise ValueError(
+                f"zero_optimization.{key}: ZeRO++ ({name}) needs stage 3, got stage {stage}"
+            )
     if stage == 3 and section.has("stage3_param_persistence_threshold"):
         values["unit_persistence_threshold"] = values["stage3_param_persistence_threshold"]
     # elements stepped between page releases under nvme offload (DiskOffload.sub_group_size)

@@ -64,6 +64,12 @@ def _check_flags(
         raise ValueError("with_grads=True with offload_to_cpu=True is not supported")
 
 
+def _world_rank(units: list) -> int:
+    """This rank in the units' world (their root's, which may have no default group)."""
+    runtime = registry.runtime_of(units[0]) if units else None
+    return runtime.world_comm.rank if runtime is not None else collectives.world_rank()
+
+
 @contextlib.contextmanager
 def summon_full_params(
     module: nn.Module,
@@ -85,7 +91,7 @@ def summon_full_params(
             runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
     # A nested summon leaves the handles an outer one shows to it.
     mine = [u.handle for u in units if not registry.is_summoned(u.handle)]
-    showing = not rank0_only or collectives.world_rank() == 0
+    showing = not rank0_only or _world_rank(units) == 0
     summons = [_Summon(h, writeback, showing, offload_to_cpu, with_grads) for h in mine]
     for s in summons:
         registry.add_summoned(s.handle)

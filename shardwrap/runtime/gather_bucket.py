@@ -66,6 +66,8 @@ def collect(
     does not fit.
     """
     members = [first]
+    if first.comm_quant is not None and first.comm_quant.changes_gathers:
+        return members  # ZeRO++ gathers go alone ([Note: ZeRO++ in a unit])
     total = _full_bytes(first)
     for handle in upcoming:
         if handle in members or not _compatible(first, handle):

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from ..comm import quantized
 from ..core.grad_buffers import ReusableGradBuffer
 from ..flat_param import FlatParamHandle
 
@@ -150,8 +151,13 @@ class ReduceBucket:
         self._output = torch.empty(
             self._input.numel() // size, dtype=self._input.dtype, device=self._input.device
         )
-        self._work = first.shard_comm.reduce_scatter(
-            self._output, self._input, purpose="grads", unit=self.label
+        self._work = quantized.reduce_scatter(  # qgZ quantizes it
+            first.shard_comm,
+            self._output,
+            self._input,
+            purpose="grads",
+            unit=self.label,
+            codec=first.grads.grad_codec,
         )
 
     def finish(self) -> None:
@@ -182,6 +188,7 @@ def _compatible(first: FlatParamHandle, handle: FlatParamHandle) -> bool:
             or handle.replicate_comm.group is first.replicate_comm.group
         )
         and handle.reduce_dtype == first.reduce_dtype
+        and handle.grads.grad_codec == first.grads.grad_codec
     )
 
 

@@ -63,8 +63,13 @@ def _resumed_processes(rank: int, world_size: int, folder: str) -> dict:
     try:
         return {
             (kind, precision): hf.train(
-                rank, kind, fsdp=True, mixed_precision=precision, first_step=hf.STEPS,
-                num_steps=hf.STEPS, load_from=f"{folder}/{kind}-{precision}",
+                rank,
+                kind,
+                fsdp=True,
+                mixed_precision=precision,
+                first_step=hf.STEPS,
+                num_steps=hf.STEPS,
+                load_from=f"{folder}/{kind}-{precision}",
             )  # fmt: skip
             for kind in KINDS
             for precision in ("no", "bf16")

@@ -123,4 +123,6 @@ def test_a_failed_save_removes_every_ranks_new_file(tmp_path):
     assert "rank 1: OSError" in error and "No space left on device" in error, error
     assert "rank00001.safetensors" in error and folder in error, error
     index = json.load(open(os.path.join(folder, "index.json")))
-    assert left == sorted(["index.json", *index["files"]]), left  # rank 0's new file is gone
+    runs = [f"{index['save_id']}-rank{r:05d}.run.json" for r in range(index["world_size"])]
+    # rank 0's new files (pieces and run state) are gone; the committed save's are kept
+    assert left == sorted(["index.json", *index["files"], *runs]), left

@@ -65,5 +65,9 @@ def test_consolidate_inspect_and_load_pretrained(tmp_path, capsys):
     assert f"file {victim}" in capsys.readouterr().out
     assert main(["consolidate", str(tmp_path / "absent"), str(tmp_path / "x")]) == 2
 
-    cases = [(single, "float32"), (sharded_hf, "bfloat16"), (os.path.join(single, HF_SINGLE_FILE), "float32")]
+    cases = [
+        (single, "float32"),
+        (sharded_hf, "bfloat16"),
+        (os.path.join(single, HF_SINGLE_FILE), "float32"),
+    ]
     assert run_ranks(pretrained_outcomes, 2, cases, snapshot) == [True, True]

@@ -9,6 +9,7 @@ import pytest
 from tests.dist import engine_cases
 from tests.dist.harness import run_ranks
 
+
 def test_engine_checkpoint_resumes_on_another_world_size(tmp_path) -> None:
     save_dir = str(tmp_path)
     run_ranks(engine_cases.save_then_resume, 2, save_dir, 2)

@@ -73,7 +73,10 @@ def _out_of_plan_worker(rank: int, world_size: int) -> dict:
     return {
         "matches": matches,
         "numels": numels,
-        "expected_numels": [h1.grads.flat_grad_numel, h0.grads.flat_grad_numel + h2.grads.flat_grad_numel],
+        "expected_numels": [
+            h1.grads.flat_grad_numel,
+            h0.grads.flat_grad_numel + h2.grads.flat_grad_numel,
+        ],
         "h0_h2_share": len(_storages([*h0.shard_params, *h2.shard_params])) == 1,
     }
 
@@ -118,7 +121,10 @@ def _issue_wait_worker(rank: int, world_size: int, strategy: str) -> dict:
     schedule.start_reduce(h0, [])  # issuing the second bucket
     first_done = h1.grads.pending_grad_shard is not None
     schedule.finish_reduces()
-    return {"first_done": first_done, "both_done": None not in (h0.grads.pending_grad_shard, h1.grads.pending_grad_shard)}
+    return {
+        "first_done": first_done,
+        "both_done": None not in (h0.grads.pending_grad_shard, h1.grads.pending_grad_shard),
+    }
 
 
 @pytest.mark.parametrize(("strategy", "waits"), [("NO_SHARD", False), ("FULL_SHARD", True)])

@@ -223,4 +223,3 @@ def batchnorm_worker(rank: int, world_size: int) -> list[float]:
 
 def test_batchnorm_stays_full_precision():
     run_ranks(batchnorm_worker, 1)
-

@@ -35,10 +35,14 @@ def _traffic_worker(rank: int, world_size: int, strategy: str) -> dict:
         "summary": model.comm_ledger.summary(),
         "num_units": len(handles),
         "padded_bytes": sum(h.layout.padded_numel * 4 for h in handles),
-        "trainable_bytes": 4 * sum(i.numel for h in handles for i in h.layout.params if i.requires_grad),
+        "trainable_bytes": 4
+        * sum(i.numel for h in handles for i in h.layout.params if i.requires_grad),
         "num_params": sum(len(h.layout.params) for h in handles),
         # [Note: the last unit of forward stays gathered]: backward gathers it no more
-        "last_unit_bytes": model._runtime.schedule.previous_forward_order[-1].handle.layout.padded_numel * 4,
+        "last_unit_bytes": model._runtime.schedule.previous_forward_order[
+            -1
+        ].handle.layout.padded_numel
+        * 4,
     }
 
 
@@ -101,9 +105,7 @@ def _memory_worker(rank: int, world_size: int) -> dict:
         p.numel() for u in model.units for p in u.handle.shard_params if p.grad is not None
     )
     optim.step()
-    state_numel = sum(
-        t.numel() for s in optim.state.values() for t in s.values() if t.dim() > 0
-    )
+    state_numel = sum(t.numel() for s in optim.state.values() for t in s.values() if t.dim() > 0)
     return {
         "inside": seen_inside,
         "full_bytes": block_unit.handle.layout.padded_numel * 4,

@@ -35,7 +35,11 @@ def test_two_nodes_hybrid_shard_matches_reference(tmp_path: Path) -> None:
     nodes = [
         subprocess.Popen(
             [*common, "--node-rank", str(r), *script],
-            env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            cwd=repo,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for r in range(2)
     ]

@@ -9,9 +9,9 @@ import torch
 
 from shardwrap.deepspeed.config import DeepSpeedConfig, derive_batch_sizes
 from shardwrap.deepspeed.optimizer import OptimizerType, SchedulerType
-from shardwrap.deepspeed.setup import disk_offload_of
+from shardwrap.deepspeed.setup import comm_quantization_of, disk_offload_of
 from shardwrap.deepspeed.zero import OffloadDevice
-from shardwrap.options import DiskOffload
+from shardwrap.options import CommQuantization, DiskOffload
 
 
 def load(**top) -> DeepSpeedConfig:
@@ -81,7 +81,7 @@ def test_unknown_keys_suggest_the_nearest(config, message):
     [
         (
             {"zero_optimization": {"zero_hpz_partition_size": 8}},
-            "zero_hpz_partition_size: not supported.*hpZ",
+            "zero_hpz_partition_size: ZeRO.. .hpZ. needs stage 3, got stage 0",
         ),
         ({"zero_optimization": {"zero_quantized_weights": True}}, "qwZ"),
         ({"zero_optimization": {"zero_quantized_gradients": True}}, "qgZ"),
@@ -266,3 +266,30 @@ def test_a_key_given_twice_in_a_json_file_is_refused(tmp_path):
     path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
     with pytest.raises(ValueError, match=r"ds\.json.*key .train_batch_size. is given twice"):
         DeepSpeedConfig.load(str(path))
+
+
+def test_zero_plus_plus_keys_become_comm_quantization():
+    zero = {
+        "stage": 3,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+        "zero_hpz_partition_size": 4,
+    }
+    parsed = load(zero_optimization=zero).zero_optimization
+    assert comm_quantization_of(parsed) == CommQuantization(
+        weights=True, gradients=True, hpz_partition_size=4
+    )
+    assert comm_quantization_of(load(zero_optimization={"stage": 3}).zero_optimization) is None
+
+
+@pytest.mark.parametrize(
+    "zero,error,message",
+    [
+        ({"stage": 3, "zero_hpz_partition_size": 0}, ValueError, "zero_hpz_partition_size"),
+        ({"stage": 3, "zero_quantized_weights": 1}, TypeError, "zero_quantized_weights"),
+        ({"stage": 2, "zero_quantized_gradients": True}, ValueError, "needs stage 3, got stage 2"),
+    ],
+)
+def test_zero_plus_plus_keys_are_checked(zero, error, message):
+    with pytest.raises(error, match=message):
+        load(zero_optimization=zero)

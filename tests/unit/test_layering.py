@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "shardwrap"
 LAYERS = {
     "base": 0,
     "options": 1,
+    "data": 1,
     "layout": 2,
     "comm": 3,
     "planner": 3,

@@ -107,3 +107,17 @@ def test_ledger_bound_is_validated() -> None:
         CommLedger(max_records=1)
     with pytest.raises(TypeError, match="max_records"):
         CommLedger(max_records=2.5)  # type: ignore[arg-type]
+
+
+def test_summaries_show_the_bytes_quantization_saved() -> None:
+    records = [
+        CommRecord("all_gather", "params", 254, 2, "a", unquantized_bytes=1000),
+        CommRecord("all_gather", "params", 254, 2, "a", unquantized_bytes=1000),
+        CommRecord("all_gather", "params", 1000, 2, "a"),  # a plain (backward) gather
+        CommRecord("all_to_all", "grads", 129, 2, "b", unquantized_bytes=1000),
+    ]
+    step = profile.StepProfile(collectives=profile.summarize(records))
+    assert step.saved_bytes(unit="a") == 2 * (1000 - 254)
+    assert step.saved_bytes() == 2 * (1000 - 254) + 1000 - 129
+    assert step.bytes("all_gather", "params", unit="a") == 2 * 254 + 1000
+    assert "saved" in step.table()

@@ -1,0 +1,259 @@
+"""The run in a checkpoint: each rank's random number streams and data position.
+
+[Note: run state files]
+Next to its safetensors file every rank writes ``<save_id>-rank<r>.run.json``: one small
+JSON record of its own (nothing is exchanged between ranks, nothing grows with the world
+size) holding
+
+* ``rng``: torch's CPU generator, the current accelerator's generator (when there is one),
+  Python's ``random`` and NumPy's global generator (when NumPy is imported);
+* ``data``: the JSON ``state_dict()`` of the sampler passed to ``save_checkpoint`` (or null),
+
+plus the save id, the rank and a sha256 of the record. The index says that run files
+exist (``run_state`` in its header); their names follow from the save id, so a loading
+rank opens only its own, and at a changed world size also rank 0's:
+
+* rank ``r`` restores the streams saved by rank ``r`` when that rank existed; a rank that
+  did not exist seeds every generator from a hash of rank 0's record and its own rank
+  (deterministic for a given checkpoint, different for every rank);
+* the data position comes from the rank's own record at the same world size, else from
+  rank 0's: only a position that means the same at every world size (``ResumableSampler``'s
+  is the global number of samples consumed) can be carried to another world size.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..base.validate import unique_keys
+from .format import CheckpointError, write_atomic
+
+META_KEY = "run_state"
+RUN_FORMAT = "shardwrap-run-state"
+RUN_VERSION = 1
+
+
+def run_file_name(save_id: str, rank: int) -> str:
+    return f"{save_id}-rank{rank:05d}.run.json"
+
+
+def index_record(sampler: Any) -> dict[str, Any]:
+    """What the index says of the run files (from world rank 0)."""
+    return {"version": RUN_VERSION, "data": sampler is not None}
+
+
+def check_sampler(argument: str, sampler: Any, method: str) -> None:
+    if sampler is not None and not callable(getattr(sampler, method, None)):
+        raise TypeError(
+            f"{argument}: expected an object with {method}() (e.g. shardwrap.data.sampler."
+            f"ResumableSampler), got {type(sampler).__name__}"
+        )
+
+
+# ------------------------------------------------------------------ capture/restore
+def _b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.cpu().contiguous().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's generator states, as JSON."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch_cpu": _b64(torch.get_rng_state()),
+        "accelerator": None,
+        "python": [version, list(internal), gauss],
+        "numpy": None,
+    }
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator().type
+        index = torch.accelerator.current_device_index()
+        module = torch.get_device_module(kind)
+        state["accelerator"] = {"type": kind, "state": _b64(module.get_rng_state(index))}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        name, key, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
+        state["numpy"] = [name, [int(k) for k in key], int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+@dataclass(frozen=True)
+class Streams:
+    """Decoded generator states, checked before any is set."""
+
+    torch_cpu: torch.Tensor
+    accelerator: tuple[str, torch.Tensor] | None
+    python: tuple
+    numpy: tuple | None
+
+    @staticmethod
+    def decode(raw: Any, where: str) -> Streams:
+        try:
+            accel = raw["accelerator"]
+            numpy = raw["numpy"]
+            version, internal, gauss = raw["python"]
+            streams = Streams(
+                _unb64(raw["torch_cpu"]),
+                None if accel is None else (str(accel["type"]), _unb64(accel["state"])),
+                (int(version), tuple(int(x) for x in internal), gauss),
+                None if numpy is None else (str(numpy[0]), list(numpy[1]), *numpy[2:]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: key 'rng' is malformed: {exc!r}") from exc
+        # Sizes are checked now: a state that set_state refuses must fail the load on
+        # every rank, not one rank after the others went on.
+        sizes = {
+            "torch_cpu": (streams.torch_cpu.numel(), torch.get_rng_state().numel()),
+            "python": (len(streams.python[1]), len(random.getstate()[1])),
+        }
+        if streams.numpy is not None:
+            sizes["numpy"] = (len(streams.numpy[1]) if len(streams.numpy) == 5 else -1, 624)
+        if not (gauss is None or isinstance(gauss, float)):
+            sizes["python"] = (-1, 0)
+        for key, (got, want) in sizes.items():
+            if got != want:
+                raise CheckpointError(f"{where}: key 'rng.{key}' has the wrong size or form")
+        return streams
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch_cpu)
+        random.setstate(self.python)
+        if self.accelerator is not None and torch.accelerator.is_available():
+            kind, state = self.accelerator
+            if kind == torch.accelerator.current_accelerator().type:
+                index = torch.accelerator.current_device_index()
+                torch.get_device_module(kind).set_rng_state(state, index)
+        if self.numpy is not None:
+            import numpy
+
+            name, key, *rest = self.numpy
+            numpy.random.set_state((name, numpy.asarray(key, dtype=numpy.uint32), *rest))
+
+
+def derive_rng(base_digest: str, rank: int) -> None:
+    """Seed every generator of a rank the checkpoint did not have (see the note)."""
+    digest = hashlib.sha256(f"{base_digest}:{rank}".encode()).digest()
+    seed = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    torch.manual_seed(seed)  # also every accelerator's generator
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % (1 << 32))
+
+
+# ------------------------------------------------------------------------ files
+def _digest(payload: dict[str, Any]) -> str:
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def write_run_file(root: str, save_id: str, rank: int, world_size: int, sampler: Any) -> str:
+    """Write this rank's run record (durably); returns its file name."""
+    data = sampler.state_dict() if sampler is not None else None
+    try:
+        json.dumps(data)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"sampler: state_dict() must be JSON-serialisable ({exc})") from exc
+    payload = {
+        "format": RUN_FORMAT,
+        "version": RUN_VERSION,
+        "save_id": save_id,
+        "rank": rank,
+        "world_size": world_size,
+        "rng": capture_rng(),
+        "data": data,
+    }
+    name = run_file_name(save_id, rank)
+    text = json.dumps({"payload": payload, "sha256": _digest(payload)}, separators=(",", ":"))
+    write_atomic(root, name, text.encode("utf-8"))
+    return name
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    rank: int
+    streams: Streams
+    data: Any
+    digest: str
+    path: str
+
+
+def read_run_file(root: str, save_id: str, rank: int) -> RunRecord:
+    """Rank ``rank``'s record of the save ``save_id``, verified."""
+    path = os.path.join(root, run_file_name(save_id, rank))
+    if not os.path.isfile(path):
+        raise CheckpointError(f"run state {path}: missing (the index says the save wrote it)")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = json.load(handle, object_pairs_hook=unique_keys(path, CheckpointError))
+        payload, digest = raw["payload"], raw["sha256"]
+        if not isinstance(payload, dict):
+            raise TypeError(f"'payload' is a {type(payload).__name__}, not an object")
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"run state {path}: not a run record ({exc!r})") from exc
+    if _digest(payload) != digest:
+        raise CheckpointError(f"run state {path}: sha256 mismatch (the file is corrupt)")
+    for key, want in (("format", RUN_FORMAT), ("version", RUN_VERSION), ("save_id", save_id)):
+        if payload.get(key) != want:
+            raise CheckpointError(
+                f"run state {path}: key {key!r} is {payload.get(key)!r}, expected {want!r}"
+            )
+    if payload.get("rank") != rank:
+        raise CheckpointError(f"run state {path}: key 'rank' is {payload.get('rank')!r}")
+    streams = Streams.decode(payload.get("rng"), f"run state {path}")
+    return RunRecord(rank, streams, payload.get("data"), digest, path)
+
+
+# ------------------------------------------------------------------------ load
+@dataclass(frozen=True)
+class RunRestore:
+    """What a loading rank restores once every rank has loaded the checkpoint."""
+
+    own: RunRecord | None  # this rank's saved record, if the rank existed
+    base: RunRecord | None  # rank 0's record when needed: the seed of ranks that did not exist
+
+    def restore_rng(self, rank: int) -> None:
+        if self.own is not None:
+            self.own.streams.restore()
+        else:
+            derive_rng(self.base.digest, rank)
+
+
+def read_for_load(
+    root: str, meta: dict[str, Any], rank: int, world_size: int, sampler: Any
+) -> tuple[RunRestore | None, Any]:
+    """This rank's run records, and the data position for ``sampler`` (checked, not set)."""
+    record = meta.get(META_KEY)
+    where = f"checkpoint {os.path.join(root, 'index.json')}"
+    if record is None:
+        if sampler is not None:
+            raise CheckpointError(f"{where}: no data position (saved before run state existed)")
+        return None, None
+    if not isinstance(record, dict) or record.get("version") != RUN_VERSION:
+        raise CheckpointError(f"{where}: key {META_KEY!r} is malformed: {record!r}")
+    saved_world = meta.get("world_size")
+    if not isinstance(saved_world, int) or saved_world < 1:
+        raise CheckpointError(f"{where}: key 'world_size' is {saved_world!r}")
+    save_id = str(meta.get("save_id"))
+    own = read_run_file(root, save_id, rank) if rank < saved_world else None
+    base = own if rank == 0 else None
+    if base is None and (own is None or saved_world != world_size):
+        base = read_run_file(root, save_id, 0)
+    data_record = own if saved_world == world_size else base
+    if sampler is not None and data_record.data is None:
+        raise CheckpointError(
+            f"run state {data_record.path}: key 'data' is null (saved without sampler=)"
+        )
+    return RunRestore(own, base), data_record.data

@@ -1,0 +1,115 @@
+"""A sharded unit's ZeRO++ state: which gathers quantize, and its hpZ secondary shard.
+
+[Note: ZeRO++ in a unit]
+``ShardedModule(comm_quantization=CommQuantization(...))`` gives every sharded handle a
+:class:`UnitCommQuant` (``handle.comm_quant``; units of one shard move nothing and get
+none). The unit's training state says what the handle's next all-gather is for, and
+the unit tells it at every transition (:meth:`note_phase`):
+
+* ``FORWARD`` (the unit is idle: its next gather, or a prefetch of it, is for forward):
+  with ``weights`` (qwZ) the all-gather moves block-quantized rows and every rank
+  dequantizes them into the compute dtype ([Note: quantized collectives] in
+  comm/quantized.py). The shard itself is never touched, and quantization is
+  deterministic, so a re-gather (activation checkpointing's recompute) gets the same
+  values again.
+* ``BACKWARD`` (it ran forward; its next gather is for its backward): the gather moves
+  full compute precision over the shard group, unless hpZ kept a secondary shard
+  (below), in which case it all-gathers that over the (smaller) hpZ group.
+* ``AFTER`` (in or after its backward): full precision.
+
+hpZ: when a unit in ``BACKWARD`` phase releases its gathered parameters with grad
+enabled (the reshard after forward), it first copies its slice of them for its
+position in its hpZ group (``padded_numel / hpz_partition_size`` elements, compute
+dtype) and keeps it, with the shard version it was gathered from. The backward gather
+uses it if the shard has not changed since, and drops it; a unit that goes idle drops it
+too. The slice holds what forward computed with, so under qwZ it holds the dequantized
+values (backward then uses the very weights forward did, as in DeepSpeed's ZeRO++).
+
+With ``gradients`` (qgZ) the unit's gradient reduce-scatter (alone or in a reduce
+bucket) is quantized (``handle.grads.grad_codec``), and so, for hybrid strategies, is the
+all-reduce of the reduced shard across replica groups (hierarchical: within the shard
+group, then across). The all-reduce of one-shard units stays in full precision.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from ..base.quantize import BlockCodec
+from ..comm import quantized
+from ..comm.collectives import Communicator
+
+
+class GatherPhase(enum.Enum):
+    FORWARD = "FORWARD"  # the unit is idle: its next gather is for forward
+    BACKWARD = "BACKWARD"  # it ran forward: its next gather is for its backward
+    AFTER = "AFTER"  # in or after its backward
+
+
+class UnitCommQuant:
+    """One handle's quantized gathers and hpZ shard ([Note: ZeRO++ in a unit])."""
+
+    def __init__(
+        self,
+        *,
+        weight_codec: BlockCodec | None,
+        hpz_comm: Communicator | None,
+    ) -> None:
+        self.weight_codec = weight_codec
+        self.hpz_comm = hpz_comm  # None: no hpZ (off, or its group would be the shard group)
+        self.phase = GatherPhase.FORWARD
+        self._secondary: torch.Tensor | None = None  # 1D, padded_numel / hpZ size
+        self._secondary_version: Any = None
+
+    @property
+    def changes_gathers(self) -> bool:
+        """Whether the parameter all-gathers differ from plain ones (no gather buckets)."""
+        return self.weight_codec is not None or self.hpz_comm is not None
+
+    @property
+    def secondary_bytes(self) -> int:
+        """Bytes the hpZ secondary shard holds now."""
+        s = self._secondary
+        return 0 if s is None else s.numel() * s.element_size()
+
+    def note_phase(self, phase: GatherPhase) -> None:
+        self.phase = phase
+        if phase is GatherPhase.FORWARD:
+            self._secondary = None
+
+    def gather(
+        self,
+        shard_comm: Communicator,
+        flat_full: torch.Tensor,
+        shard: torch.Tensor,
+        *,
+        version: Any,
+        unit: str,
+    ):
+        """Issue the all-gather of ``flat_full`` for the current phase; its waitable."""
+        secondary = self._secondary
+        if self.phase is GatherPhase.BACKWARD and secondary is not None:
+            self._secondary = None
+            if self._secondary_version == version:
+                return self.hpz_comm.all_gather(flat_full, secondary, purpose="params", unit=unit)
+        codec = self.weight_codec if self.phase is GatherPhase.FORWARD else None
+        return quantized.all_gather(
+            shard_comm, flat_full, shard, purpose="params", unit=unit, codec=codec
+        )
+
+    def keep_secondary(self, flat_full: torch.Tensor, version: Any) -> None:
+        """Before ``flat_full`` (gathered from shard ``version``; None: not current) is
+        released: keep this rank's hpZ slice of it if backward will gather it again."""
+        if (
+            self.hpz_comm is None
+            or version is None
+            or self.phase is not GatherPhase.BACKWARD
+            or not torch.is_grad_enabled()
+        ):
+            return
+        by_position = flat_full.detach().view(self.hpz_comm.size, -1)
+        self._secondary = by_position[self.hpz_comm.rank].clone()
+        self._secondary_version = version

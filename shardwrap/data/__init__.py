@@ -1,0 +1,1 @@
+"""Data order that survives a resume at another world size (``sampler.ResumableSampler``)."""
