@@ -121,7 +121,6 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
             param_persistence_threshold,
             mixed_precision,
         )
-        sync_module_states = check_bool("sync_module_states", sync_module_states)
         cpu_offload = cpu_offload and as_record("cpu_offload", cpu_offload, CPUOffload, DiskOffload)
         check_unsupported(cpu_offload, module)
         self.cpu_offload = cpu_offload
@@ -145,14 +144,14 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
             ignored=ignored,
             param_init_fn=param_init_fn,
             device_id=device_id,
-            sync_module_states=sync_module_states,
+            sync_module_states=check_bool("sync_module_states", sync_module_states),
             strategy=self.sharding_strategy,
             mixed_precision=self.mixed_precision,
             shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
                 self.disk_store.allocate if self.disk_store else host_staging_for(cpu_offload)
             ),
             threshold=self.param_persistence_threshold,
-            options=agreed_options(self, sync_module_states),
+            options=agreed_options(self),
         )
         if self.disk_store is not None:
             self.disk_store.attach(u.handle for u in new_units)

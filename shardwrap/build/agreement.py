@@ -54,13 +54,12 @@ def plan_entries(
     return [*units, (f"unit #{len(modules) + 1}", "no more units"), *params]
 
 
-def agreed_options(wrapper: Any, sync_module_states: bool) -> str:
+def agreed_options(wrapper: Any) -> str:
     """A ``ShardedModule``'s options that every rank must share, besides its units."""
     offload = type(wrapper.cpu_offload).__name__ if wrapper.cpu_offload else "no offload"
     return (
         f"{wrapper.backward_prefetch}, forward_prefetch={wrapper.forward_prefetch}, "
-        f"limit_all_gathers={wrapper.limit_all_gathers}, {offload}, "
-        f"sync_module_states={sync_module_states}"
+        f"limit_all_gathers={wrapper.limit_all_gathers}, {offload}"
     )
 
 

@@ -173,7 +173,8 @@ def shard_root(
         mixed_precision=mixed_precision,
         full_precision=full_precision,
     )
-    check_plan(comms, strategy, entries, f"{options}, persistence threshold {threshold}")
+    options += f", sync_module_states={sync_module_states}, persistence threshold {threshold}"
+    check_plan(comms, strategy, entries, options)
     del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
     materializer = UnitMaterializer(
         module,

@@ -64,9 +64,9 @@ def test_a_saving_rank_receives_the_same_bytes_at_2_and_64_ranks(tmp_path):
 
 
 def _own_file(folder: str) -> str:
-    (name,) = os.listdir(folder)
-    assert name.endswith("-rank00001.safetensors"), name
-    return name
+    names = sorted(os.listdir(folder))  # its tensors and its run state, no index
+    assert [n.split("-", 1)[1] for n in names] == ["rank00001.run.json", "rank00001.safetensors"]
+    return names[1]
 
 
 def test_the_benchmark_reports_its_figures():
