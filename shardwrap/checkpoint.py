@@ -36,6 +36,7 @@ from .ckpt.format import (
     PieceRef,
     TensorEntry,
     check_coverage,
+    dtype_from_name,
     dtype_name,
     index_bytes,
     read_index,
@@ -169,6 +170,9 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
     def add(kind: str, name: str, state: str | None, value: torch.Tensor, start: int) -> None:
         key = f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}"
         flat = value.detach().reshape(-1)
+        add_flat(kind, name, state, key, flat, start)
+
+    def add_flat(kind, name, state, key: str, flat: torch.Tensor, start: int) -> None:
         items.append(StreamItem(key, flat.dtype, (flat.numel(),), lambda flat=flat: flat))
         records.append(
             {
@@ -182,9 +186,18 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
             }
         )
 
+    def add_slot(kind: str, slot: ParamSlot, state: str | None, value: torch.Tensor) -> None:
+        if slot.tp is None:
+            return add(kind, slot.fqn, state, value, slot.start)
+        # A tensor-parallel block: one piece per run of the global tensor it holds.
+        flat = value.detach().reshape(-1)
+        for lo, hi, global_start in slot.global_runs():
+            key = f"{kind}/{slot.fqn}" if state is None else f"{kind}/{slot.fqn}/{state}"
+            add_flat(kind, slot.fqn, state, f"{key}@{global_start}", flat[lo:hi], global_start)
+
     for slot in slots.slots:
         if slot.saves and slot.end > slot.start:
-            add("param", slot.fqn, None, slot.local, slot.start)
+            add_slot("param", slot, None, slot.local)
     if is_rank0:
         for name, buffer in slots.buffers.items():
             add("buffer", name, None, buffer, 0)
@@ -193,7 +206,7 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
             for state, value in optimizer.state.get(slot.local, {}).items():
                 kind = state_kind(slot, state, value)
                 if kind == SHARDED and slot.saves and slot.end > slot.start:
-                    add("optim", slot.fqn, state, value, slot.start)
+                    add_slot("optim", slot, state, value)
                 elif kind == SCALAR and is_rank0:
                     add("optim", slot.fqn, state, value, 0)
     return items, records  # JSON values of the state go into the index from rank 0's own
@@ -344,8 +357,9 @@ def _load_params(
         for slot, saved_name in matched:
             entry = index.params[saved_name]
             if slot.end > slot.start:
-                data = reader.read_range(saved_name, entry, slot.start, slot.end)
-                slot.local_flat().copy_(data)
+                local = slot.local_flat()
+                for lo, hi, start in slot.global_runs():
+                    local[lo:hi].copy_(reader.read_range(saved_name, entry, start, start + hi - lo))
         for name, buffer in slots.buffers.items():
             entry = index.buffers.get(name)
             if entry is None:
@@ -381,7 +395,9 @@ def _load_optimizer(
         if entry.shape == ():
             return reader.read_full(f"{slot.fqn}/{state}", entry)
         check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
-        flat = reader.read_range(f"{slot.fqn}/{state}", entry, slot.start, slot.end)
+        flat = torch.empty(slot.end - slot.start, dtype=dtype_from_name(entry.dtype, slot.fqn))
+        for lo, hi, start in slot.global_runs():
+            flat[lo:hi] = reader.read_range(f"{slot.fqn}/{state}", entry, start, start + hi - lo)
         return flat.reshape(slot.local.shape)
 
     groups_slots = optimizer_slots(optimizer, slots)

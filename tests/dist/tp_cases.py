@@ -1,0 +1,189 @@
+"""Workers for ZeRO inside tensor parallelism (tests/dist/test_tensor_parallel.py).
+
+The model is a small pre-norm transformer whose attention and MLP are split by torch's
+``parallelize_module`` (q/k/v and fc column-wise, proj and out row-wise, so each TP rank
+holds half of the heads and half of the hidden units); embedding, norms and head stay
+plain, replicated tensors. Four ranks form a (dp=2, tp=2) mesh: the two TP ranks of one
+DP index see the same batch, the two DP indices different halves of the global batch.
+The reference is the same model, unparallelized, trained in one process on the global
+batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import shardwrap
+from shardwrap import ShardedModule
+from shardwrap.policies import ModuleWrapPolicy
+
+DP, TP = 2, 2
+VOCAB, DIM, HEADS, SEQ, BATCH = 16, 8, 2, 4, 2  # BATCH: per data-parallel rank
+NUM_STEPS = 5
+
+
+class TPBlock(nn.Module):
+    """Attention (separate q/k/v so column-wise TP splits heads) and an MLP."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # -1 heads: all of them unparallelized, this rank's share under TP.
+        q, k, v = (
+            z(h).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v)
+        )
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TPNet(nn.Module):
+    def __init__(self, depth: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(TPBlock() for _ in range(depth))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_reference() -> TPNet:
+    torch.manual_seed(4321)
+    return TPNet()
+
+
+def tp_plan() -> dict:
+    plan = {}
+    for i in range(2):
+        for name in ("q", "k", "v", "fc"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("proj", "out"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def make_mesh(dp: int = DP, tp: int = TP):
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def parallelized(model: nn.Module, mesh) -> nn.Module:
+    return parallelize_module(copy.deepcopy(model), mesh["tp"], tp_plan())
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(DP * BATCH, SEQ)`` tokens and targets; DP rank r takes rows ``[r*BATCH, ...)``."""
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (DP * BATCH, SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def local_rows(batch, dp_rank: int, dp: int = DP):
+    rows = batch[0].shape[0] // dp
+    return tuple(t[dp_rank * rows : (dp_rank + 1) * rows] for t in batch)
+
+
+def reference_run(num_steps: int = NUM_STEPS, max_norm: float | None = None):
+    """Losses, clipping norms and final parameters of single-process training."""
+    model = build_reference()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses, norms = [], []
+    for step in range(num_steps):
+        loss = loss_of(model, *global_batch(step))
+        loss.backward()
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses, norms, {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def wrap(model: nn.Module, mesh, strategy: str = "FULL_SHARD", **kwargs) -> ShardedModule:
+    return ShardedModule(
+        model,
+        device_mesh=mesh["dp"],
+        sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy({TPBlock}),
+        **kwargs,
+    )
+
+
+def train_tp(rank: int, world_size: int, strategy: str, max_norm, num_steps: int = NUM_STEPS):
+    """TP2 x DP2 training: losses, norms, full state dict, and what the units showed."""
+    mesh = make_mesh()
+    sharded = wrap(parallelized(build_reference(), mesh), mesh, strategy)
+    optim = torch.optim.AdamW(sharded.parameters(), lr=0.01)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses, norms, shown = [], [], {}
+
+    def note_shown(module, args):
+        shown[type(module.q.weight).__name__] = tuple(module.q.weight.shape)
+
+    handle = sharded.module.blocks[0].register_forward_pre_hook(note_shown, prepend=False)
+    sharded.comm_ledger.reset()
+    for step in range(num_steps):
+        loss = loss_of(sharded, *local_rows(global_batch(step), dp_rank))
+        loss.backward()
+        if max_norm is not None:
+            norms.append(sharded.clip_grad_norm_(max_norm))
+        optim.step()
+        optim.zero_grad()
+        losses.append(_mean_over_dp(loss.detach(), sharded))
+    handle.remove()
+    grad_groups = {r.group_size for r in sharded.comm_ledger.records if r.purpose == "grads"}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": sharded.state_dict(),
+        "shown": shown,
+        "grad_group_sizes": grad_groups,
+    }
+
+
+def _mean_over_dp(loss: torch.Tensor, sharded: ShardedModule) -> torch.Tensor:
+    """The global batch's loss: the mean of the DP ranks' (TP ranks agree already)."""
+    total = loss.clone()
+    comm = sharded.units[0].handle.shard_comm
+    comm.all_reduce(total, purpose="test").wait()
+    return total / comm.size
+
+
+def is_dtensor(value) -> bool:
+    return isinstance(value, DTensor)
+
+
+__all__ = ["math", "shardwrap"]
