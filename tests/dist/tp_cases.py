@@ -12,7 +12,6 @@ batch.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.nn.functional as F
@@ -182,8 +181,107 @@ def _mean_over_dp(loss: torch.Tensor, sharded: ShardedModule) -> torch.Tensor:
     return total / comm.size
 
 
-def is_dtensor(value) -> bool:
-    return isinstance(value, DTensor)
+def train_strategies(rank: int, world_size: int, strategies: tuple[str, ...], max_norm):
+    return {s: train_tp(rank, world_size, s, max_norm) for s in strategies}
 
 
-__all__ = ["math", "shardwrap"]
+# ------------------------------------------------------------------ checkpoints
+def _trained(model: nn.Module, optim, dp_rank: int, dp: int, steps: int = 2) -> None:
+    for step in range(steps):
+        loss_of(model, *local_rows(global_batch(step), dp_rank, dp)).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _states(model: ShardedModule, optim) -> dict:
+    return {"model": model.state_dict(), "optim": ShardedModule.optim_state_dict(model, optim)}
+
+
+def save_tp(rank: int, world_size: int, path: str) -> dict:
+    """Train 2 steps at TP2 x DP2, save; the full states it had."""
+    mesh = make_mesh()
+    model = wrap(parallelized(build_reference(), mesh), mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _trained(model, optim, mesh["dp"].get_local_rank(), DP)
+    shardwrap.save_checkpoint(path, model, optim)
+    return _states(model, optim)
+
+
+def save_dp(rank: int, world_size: int, path: str) -> dict:
+    """Train 2 steps at plain DP (world_size ranks), save; the full states it had."""
+    model = ShardedModule(build_reference(), auto_wrap_policy=ModuleWrapPolicy({TPBlock}))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _trained(model, optim, rank, world_size)
+    shardwrap.save_checkpoint(path, model, optim)
+    return _states(model, optim)
+
+
+def _fresh() -> TPNet:
+    torch.manual_seed(99)  # other values than the saved ones: the load must change them
+    return TPNet()
+
+
+def load_dp(rank: int, world_size: int, path: str) -> dict:
+    model = ShardedModule(_fresh(), auto_wrap_policy=ModuleWrapPolicy({TPBlock}))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    shardwrap.load_checkpoint(path, model, optim)
+    return _states(model, optim)
+
+
+def load_tp(rank: int, world_size: int, path: str) -> dict:
+    mesh = make_mesh()
+    model = wrap(parallelized(_fresh(), mesh), mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    shardwrap.load_checkpoint(path, model, optim)
+    return _states(model, optim)
+
+
+# ------------------------------------------------------- summon, no_sync, precision
+def summon_and_no_sync(rank: int, world_size: int) -> dict:
+    """Two steps of two micro-batches each, the first under ``no_sync``; then summon."""
+    mesh = make_mesh()
+    model = wrap(parallelized(build_reference(), mesh), mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    dp_rank = mesh["dp"].get_local_rank()
+    for step in range(2):
+        with model.no_sync():
+            loss_of(model, *local_rows(global_batch(2 * step), dp_rank)).backward()
+        loss_of(model, *local_rows(global_batch(2 * step + 1), dp_rank)).backward()
+        optim.step()
+        optim.zero_grad()
+    summoned = {}
+    with ShardedModule.summon_full_params(model, writeback=False), torch.no_grad():
+        for name, param in model.named_parameters():
+            summoned[name] = (
+                type(param).__name__,
+                tuple(param.shape),
+                param.full_tensor() if isinstance(param, DTensor) else param.detach().clone(),
+            )
+    return {"summoned": summoned, "state": model.state_dict()}
+
+
+def reference_no_sync() -> dict[str, torch.Tensor]:
+    model = build_reference()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(2):
+        for micro in (2 * step, 2 * step + 1):
+            loss_of(model, *global_batch(micro)).backward()
+        optim.step()
+        optim.zero_grad()
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def mixed_precision_losses(rank: int, world_size: int) -> list[float]:
+    mesh = make_mesh()
+    policy = shardwrap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = wrap(parallelized(build_reference(), mesh), mesh, mixed_precision=policy)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(3):
+        loss = loss_of(model, *local_rows(global_batch(step), dp_rank))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(float(_mean_over_dp(loss.detach().float(), model)))
+    return losses
