@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..layout.flat import FlatLayout
 from ..layout.partition import assign_params, collect_params
@@ -119,8 +118,10 @@ def count_sizes(
 
 
 def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """What one rank flattens of ``param``: its local block if it is a DTensor."""
-    return tuple(param.to_local().shape if isinstance(param, DTensor) else param.shape)
+    """What one rank flattens of ``param``: its local block if it is a DTensor (recognised
+    by its ``to_local``: the planner stays clear of torch.distributed)."""
+    to_local = getattr(param, "to_local", None)
+    return tuple(to_local().shape if callable(to_local) else param.shape)
 
 
 def module_sizes(
