@@ -61,6 +61,20 @@ def test_no_sync_and_summon_full_params():
         assert out["summoned"]["tok.weight"][0] == "Parameter"
 
 
+def test_hybrid_shard_on_a_slice_of_a_3d_mesh():
+    expected = tp_cases.reference_run(num_steps=2)[2]
+    for state in run_ranks(tp_cases.hybrid_state, WORLD, 2):
+        _assert_states(state, expected)
+
+
+def test_what_tp_refuses_is_named():
+    for messages in run_ranks(tp_cases.refusals, WORLD):
+        assert "sync_module_states" in messages["sync_module_states"]
+        assert "DTensor" in messages["sync_module_states"]
+        assert "SHARDED_STATE_DICT" in messages["sharded_state_dict"]
+        assert "blocks.0.q.weight" in messages["sharded_state_dict"]
+
+
 def test_mixed_precision_follows_reference(reference):
     ref_losses = [float(x) for x in reference[0][:3]]
     for losses in run_ranks(tp_cases.mixed_precision_losses, WORLD):

@@ -94,6 +94,11 @@ def make_mesh(dp: int = DP, tp: int = TP):
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
+def make_mesh_3d():
+    """A (pp, dp, tp) mesh with one stage: the user slices ``mesh["dp"]`` out of 3 dims."""
+    return init_device_mesh("cpu", (1, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+
+
 def parallelized(model: nn.Module, mesh) -> nn.Module:
     return parallelize_module(copy.deepcopy(model), mesh["tp"], tp_plan())
 
@@ -238,8 +243,9 @@ def load_tp(rank: int, world_size: int, path: str) -> dict:
 
 # ------------------------------------------------------- summon, no_sync, precision
 def summon_and_no_sync(rank: int, world_size: int) -> dict:
-    """Two steps of two micro-batches each, the first under ``no_sync``; then summon."""
-    mesh = make_mesh()
+    """Two steps of two micro-batches each, the first under ``no_sync``; then summon.
+    On a 3-D mesh's ``dp`` slice."""
+    mesh = make_mesh_3d()
     model = wrap(parallelized(build_reference(), mesh), mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     dp_rank = mesh["dp"].get_local_rank()
@@ -269,6 +275,39 @@ def reference_no_sync() -> dict[str, torch.Tensor]:
         optim.step()
         optim.zero_grad()
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def hybrid_state(rank: int, world_size: int, num_steps: int) -> dict:
+    """HYBRID_SHARD over the (replicate, shard) slice of a (replicate, shard, tp) mesh."""
+    mesh = init_device_mesh(
+        "cpu", (1, DP, TP), mesh_dim_names=("replicate", "shard", "tp")
+    )
+    model = ShardedModule(
+        parallelize_module(build_reference(), mesh["tp"], tp_plan()),
+        device_mesh=mesh["replicate", "shard"],
+        sharding_strategy="HYBRID_SHARD",
+        auto_wrap_policy=ModuleWrapPolicy({TPBlock}),
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _trained(model, optim, mesh["shard"].get_local_rank(), DP, num_steps)
+    return model.state_dict()
+
+
+def refusals(rank: int, world_size: int) -> dict[str, str]:
+    """What TP x DP refuses, with the messages it gives."""
+    mesh = make_mesh()
+    messages = {}
+    try:
+        wrap(parallelized(build_reference(), mesh), mesh, sync_module_states=True)
+    except ValueError as exc:
+        messages["sync_module_states"] = str(exc)
+    model = wrap(parallelized(build_reference(), mesh), mesh)
+    try:
+        with ShardedModule.state_dict_type(model, "SHARDED_STATE_DICT"):
+            model.state_dict()
+    except ValueError as exc:
+        messages["sharded_state_dict"] = str(exc)
+    return messages
 
 
 def mixed_precision_losses(rank: int, world_size: int) -> list[float]:
