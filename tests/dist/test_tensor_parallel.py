@@ -48,6 +48,19 @@ def test_training_matches_reference(reference):
             # Units computed with DTensors of the global shape; gradients went over DP only.
             assert out["shown"] == {"DTensor": (tp_cases.DIM, tp_cases.DIM)}, where
             assert out["grad_group_sizes"] == {tp_cases.DP}, where
+            assert out["tp_grad_records"] == 0, where  # gradients came in their placements
+
+
+def test_sequence_parallel_matches_reference(reference):
+    """Norm weights get Partial gradients (summed over TP before the DP reduction); the
+    embedding and head are vocab-parallel DTensors too."""
+    ref_losses, ref_norms, ref_params = reference
+    for out in run_ranks(tp_cases.train_tp, WORLD, "FULL_SHARD", 0.5, 5, True):
+        torch.testing.assert_close(torch.stack(out["losses"]), torch.stack(ref_losses))
+        torch.testing.assert_close(torch.stack(out["norms"]), torch.stack(ref_norms))
+        _assert_states(out["state"], ref_params)
+        assert out["tp_grad_records"] > 0  # Partial gradients were summed over TP
+        assert out["grad_group_sizes"] == {tp_cases.DP}
 
 
 def test_no_sync_and_summon_full_params():

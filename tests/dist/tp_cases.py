@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -49,12 +50,12 @@ class TPBlock(nn.Module):
         self.out = nn.Linear(2 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         h = self.ln1(x)
-        # -1 heads: all of them unparallelized, this rank's share under TP.
-        q, k, v = (
-            z(h).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v)
-        )
+        # The whole sequence (x holds a part of it under sequence parallelism), and -1
+        # heads: all of them unparallelized, this rank's share under TP.
+        q, k, v = (z(h) for z in (self.q, self.k, self.v))
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -90,6 +91,25 @@ def tp_plan() -> dict:
     return plan
 
 
+def sequence_parallel_plan() -> dict:
+    """Megatron-style sequence parallelism: norms and residuals hold a part of the sequence
+    (their weights' gradients come ``Partial``), the embedding and head split the vocab."""
+    seq = Shard(1)
+    plan = {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    for i in range(2):
+        for name in ("ln1", "ln2"):
+            plan[f"blocks.{i}.{name}"] = SequenceParallel()
+        for name in ("q", "k", "v", "fc"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel(input_layouts=seq)
+        for name in ("proj", "out"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel(output_layouts=seq)
+    return plan
+
+
 def make_mesh(dp: int = DP, tp: int = TP):
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
@@ -99,8 +119,8 @@ def make_mesh_3d():
     return init_device_mesh("cpu", (1, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def parallelized(model: nn.Module, mesh) -> nn.Module:
-    return parallelize_module(copy.deepcopy(model), mesh["tp"], tp_plan())
+def parallelized(model: nn.Module, mesh, plan: dict | None = None) -> nn.Module:
+    return parallelize_module(copy.deepcopy(model), mesh["tp"], plan or tp_plan())
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,10 +166,18 @@ def wrap(model: nn.Module, mesh, strategy: str = "FULL_SHARD", **kwargs) -> Shar
     )
 
 
-def train_tp(rank: int, world_size: int, strategy: str, max_norm, num_steps: int = NUM_STEPS):
+def train_tp(
+    rank: int,
+    world_size: int,
+    strategy: str,
+    max_norm,
+    num_steps: int = NUM_STEPS,
+    sequence_parallel: bool = False,
+):
     """TP2 x DP2 training: losses, norms, full state dict, and what the units showed."""
     mesh = make_mesh()
-    sharded = wrap(parallelized(build_reference(), mesh), mesh, strategy)
+    plan = sequence_parallel_plan() if sequence_parallel else None
+    sharded = wrap(parallelized(build_reference(), mesh, plan), mesh, strategy)
     optim = torch.optim.AdamW(sharded.parameters(), lr=0.01)
     dp_rank = mesh["dp"].get_local_rank()
     losses, norms, shown = [], [], {}
@@ -175,6 +203,7 @@ def train_tp(rank: int, world_size: int, strategy: str, max_norm, num_steps: int
         "state": sharded.state_dict(),
         "shown": shown,
         "grad_group_sizes": grad_groups,
+        "tp_grad_records": sum(1 for r in sharded.comm_ledger.records if r.purpose == "tp_grads"),
     }
 
 
