@@ -109,6 +109,8 @@ def test_checkpoint_from_tp_dp_loads_at_dp2_and_unwrapped(tmp_path):
     saved = run_ranks(tp_cases.save_tp, WORLD, path)[0]
     for got in run_ranks(tp_cases.load_dp, 2, path):
         _assert_same_states(got, saved)
+    for got in run_ranks(tp_cases.load_tp, WORLD, path, 4):  # another TP degree: TP4 x DP1
+        _assert_same_states(got, saved)
     consolidate(path, str(tmp_path / "hf"))
     model = tp_cases.TPNet()
     weights = safetensors.torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -121,3 +123,4 @@ def test_checkpoint_from_dp2_loads_at_tp_dp(tmp_path):
     saved = run_ranks(tp_cases.save_dp, 2, path)[0]
     for got in run_ranks(tp_cases.load_tp, WORLD, path):
         _assert_same_states(got, saved)
+        _assert_same_states(got["reloaded"], saved)  # full state dicts, loaded under TP

@@ -262,12 +262,19 @@ def load_dp(rank: int, world_size: int, path: str) -> dict:
     return _states(model, optim)
 
 
-def load_tp(rank: int, world_size: int, path: str) -> dict:
-    mesh = make_mesh()
+def load_tp(rank: int, world_size: int, path: str, tp: int = TP) -> dict:
+    """Load at TP ``tp`` x DP ``4 / tp``; then hand the full state dicts to a fresh model
+    through ``load_state_dict`` / ``optim_state_dict_to_load`` (``"reloaded"``)."""
+    mesh = make_mesh(world_size // tp, tp)
     model = wrap(parallelized(_fresh(), mesh), mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     shardwrap.load_checkpoint(path, model, optim)
-    return _states(model, optim)
+    states = _states(model, optim)
+    fresh = wrap(parallelized(_fresh(), mesh), mesh)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    fresh.load_state_dict(states["model"])
+    ShardedModule.optim_state_dict_to_load(fresh, fresh_optim, states["optim"], load_directly=True)
+    return {**states, "reloaded": _states(fresh, fresh_optim)}
 
 
 # ------------------------------------------------------- summon, no_sync, precision
