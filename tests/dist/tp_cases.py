@@ -193,6 +193,7 @@ def train_tp(
         if max_norm is not None:
             norms.append(sharded.clip_grad_norm_(max_norm))
         optim.step()
+        state_bytes = _model_state_bytes(optim)
         optim.zero_grad()
         losses.append(_mean_over_dp(loss.detach(), sharded))
     handle.remove()
@@ -204,7 +205,38 @@ def train_tp(
         "shown": shown,
         "grad_group_sizes": grad_groups,
         "tp_grad_records": sum(1 for r in sharded.comm_ledger.records if r.purpose == "tp_grads"),
+        "model_state_bytes": state_bytes,
+        "num_units": len(sharded.units),
     }
+
+
+def _model_state_bytes(optim) -> int:
+    """Bytes of what the optimizer holds: parameter shards, their gradients, its state."""
+    total = 0
+    for group in optim.param_groups:
+        for param in group["params"]:
+            tensors = [param, param.grad, *optim.state[param].values()]
+            total += sum(
+                t.numel() * t.element_size()
+                for t in tensors
+                if isinstance(t, torch.Tensor) and t.dim() > 0
+            )
+    return total
+
+
+def local_numel(sequence_parallel: bool = False) -> int:
+    """Parameter elements one TP rank holds: TP-split ones / TP, replicated ones whole."""
+    plan = sequence_parallel_plan() if sequence_parallel else tp_plan()
+    model = build_reference()
+    total = 0
+    for name, param in model.named_parameters():
+        module_name, _, attr = name.rpartition(".")
+        style = plan.get(module_name)
+        split = isinstance(style, ColwiseParallel) or (
+            isinstance(style, RowwiseParallel) and attr == "weight"
+        )
+        total += param.numel() // TP if split else param.numel()
+    return total
 
 
 def _mean_over_dp(loss: torch.Tensor, sharded: ShardedModule) -> torch.Tensor:
