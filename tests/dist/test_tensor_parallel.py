@@ -35,9 +35,10 @@ def reference():
 
 
 def test_training_matches_reference(reference):
-    """ZeRO-3, ZeRO-2 and ZeRO-1 with clipping: losses, norms and full parameters."""
+    """ZeRO-3, ZeRO-2, ZeRO-1 and plain data parallelism (NO_SHARD: in-place all-reduce,
+    reduce buckets) with clipping: losses, norms and full parameters."""
     ref_losses, ref_norms, ref_params = reference
-    strategies = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM")
+    strategies = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
     results = run_ranks(tp_cases.train_strategies, WORLD, strategies, 0.5)
     for rank, by_strategy in enumerate(results):
         for strategy, out in by_strategy.items():

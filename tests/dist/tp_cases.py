@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -195,7 +196,7 @@ def train_tp(
         optim.step()
         state_bytes = _model_state_bytes(optim)
         optim.zero_grad()
-        losses.append(_mean_over_dp(loss.detach(), sharded))
+        losses.append(_mean_over_dp(loss.detach(), mesh))
     handle.remove()
     grad_groups = {r.group_size for r in sharded.comm_ledger.records if r.purpose == "grads"}
     return {
@@ -239,12 +240,11 @@ def local_numel(sequence_parallel: bool = False) -> int:
     return total
 
 
-def _mean_over_dp(loss: torch.Tensor, sharded: ShardedModule) -> torch.Tensor:
+def _mean_over_dp(loss: torch.Tensor, mesh) -> torch.Tensor:
     """The global batch's loss: the mean of the DP ranks' (TP ranks agree already)."""
     total = loss.clone()
-    comm = sharded.units[0].handle.shard_comm
-    comm.all_reduce(total, purpose="test").wait()
-    return total / comm.size
+    dist.all_reduce(total, group=mesh["dp"].get_group())
+    return total / mesh["dp"].size()
 
 
 def train_strategies(rank: int, world_size: int, strategies: tuple[str, ...], max_norm):
@@ -390,5 +390,5 @@ def mixed_precision_losses(rank: int, world_size: int) -> list[float]:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        losses.append(float(_mean_over_dp(loss.detach().float(), model)))
+        losses.append(float(_mean_over_dp(loss.detach().float(), mesh)))
     return losses
