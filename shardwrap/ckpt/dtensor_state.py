@@ -228,6 +228,7 @@ def local_pieces(
     for slot, key, value in items:
         if (
             isinstance(value, DTensor)
+            and slot.tp is None
             and _is_chunked(slot.handle, slot.shape)
             and _is_ours(value, slot.handle, slots.world_comm)
         ):

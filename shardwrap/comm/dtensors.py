@@ -49,11 +49,11 @@ def global_tensor(
 ) -> torch.Tensor:
     """The whole global tensor whose block on this rank is ``local`` (every rank of
     ``mesh`` calls it in the same order)."""
+    if all(isinstance(p, Replicate) for p in placements):
+        return local
     distributed = DTensor.from_local(
         local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
     )
-    if all(isinstance(p, Replicate) for p in placements):
-        return local
     _record(ledger, "all_gather", purpose, distributed)
     return distributed.full_tensor()
 

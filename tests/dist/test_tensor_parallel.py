@@ -124,6 +124,9 @@ def test_checkpoint_from_tp_dp_loads_at_dp2_and_unwrapped(tmp_path):
     weights = safetensors.torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
     model.load_state_dict(weights)
     _assert_states(model.state_dict(), saved["model"], **EXACT)
+    # ... and the Hugging Face folder back into TP2 x DP2.
+    for state in run_ranks(tp_cases.pretrained_tp, WORLD, str(tmp_path / "hf")):
+        _assert_states(state, saved["model"], **EXACT)
 
 
 def test_checkpoint_from_dp2_loads_at_tp_dp(tmp_path):

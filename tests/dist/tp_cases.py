@@ -309,6 +309,14 @@ def load_tp(rank: int, world_size: int, path: str, tp: int = TP) -> dict:
     return {**states, "reloaded": _states(fresh, fresh_optim)}
 
 
+def pretrained_tp(rank: int, world_size: int, folder: str) -> dict[str, torch.Tensor]:
+    """Load a Hugging Face folder (one model.safetensors) into a TP2 x DP2 model."""
+    mesh = make_mesh()
+    model = wrap(parallelized(_fresh(), mesh), mesh)
+    shardwrap.load_pretrained(model, folder)
+    return model.state_dict()
+
+
 # ------------------------------------------------------- summon, no_sync, precision
 def summon_and_no_sync(rank: int, world_size: int) -> dict:
     """Two steps of two micro-batches each, the first under ``no_sync``; then summon.
