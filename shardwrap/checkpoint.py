@@ -18,6 +18,7 @@ safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -36,7 +37,6 @@ from .ckpt.format import (
     PieceRef,
     TensorEntry,
     check_coverage,
-    dtype_from_name,
     dtype_name,
     index_bytes,
     read_index,
@@ -167,12 +167,11 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
     records: list[dict[str, Any]] = []
     is_rank0 = slots.world_comm.rank == 0
 
-    def add(kind: str, name: str, state: str | None, value: torch.Tensor, start: int) -> None:
-        key = f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}"
+    def add(
+        kind: str, name: str, state: str | None, value: torch.Tensor, start: int, at=""
+    ) -> None:
+        key = (f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}") + at
         flat = value.detach().reshape(-1)
-        add_flat(kind, name, state, key, flat, start)
-
-    def add_flat(kind, name, state, key: str, flat: torch.Tensor, start: int) -> None:
         items.append(StreamItem(key, flat.dtype, (flat.numel(),), lambda flat=flat: flat))
         records.append(
             {
@@ -187,13 +186,8 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
         )
 
     def add_slot(kind: str, slot: ParamSlot, state: str | None, value: torch.Tensor) -> None:
-        if slot.tp is None:
-            return add(kind, slot.fqn, state, value, slot.start)
-        # A tensor-parallel block: one piece per run of the global tensor it holds.
-        flat = value.detach().reshape(-1)
-        for lo, hi, global_start in slot.global_runs():
-            key = f"{kind}/{slot.fqn}" if state is None else f"{kind}/{slot.fqn}/{state}"
-            add_flat(kind, slot.fqn, state, f"{key}@{global_start}", flat[lo:hi], global_start)
+        for at, piece, start in slot.saved_pieces(value):  # several for a TP block
+            add(kind, slot.fqn, state, piece, start, at)
 
     for slot in slots.slots:
         if slot.saves and slot.end > slot.start:
@@ -357,9 +351,8 @@ def _load_params(
         for slot, saved_name in matched:
             entry = index.params[saved_name]
             if slot.end > slot.start:
-                local = slot.local_flat()
-                for lo, hi, start in slot.global_runs():
-                    local[lo:hi].copy_(reader.read_range(saved_name, entry, start, start + hi - lo))
+                read = functools.partial(reader.read_range, saved_name, entry)
+                slot.local_flat().copy_(slot.read_local(read))
         for name, buffer in slots.buffers.items():
             entry = index.buffers.get(name)
             if entry is None:
@@ -395,9 +388,7 @@ def _load_optimizer(
         if entry.shape == ():
             return reader.read_full(f"{slot.fqn}/{state}", entry)
         check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
-        flat = torch.empty(slot.end - slot.start, dtype=dtype_from_name(entry.dtype, slot.fqn))
-        for lo, hi, start in slot.global_runs():
-            flat[lo:hi] = reader.read_range(f"{slot.fqn}/{state}", entry, start, start + hi - lo)
+        flat = slot.read_local(lambda s, e: reader.read_range(f"{slot.fqn}/{state}", entry, s, e))
         return flat.reshape(slot.local.shape)
 
     groups_slots = optimizer_slots(optimizer, slots)

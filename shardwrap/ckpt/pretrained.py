@@ -101,9 +101,7 @@ def _read_range(handle, name: str, slot: ParamSlot) -> torch.Tensor:
     if len(shape) == 0:
         return handle.get_tensor(name).reshape(-1).to(slot.dtype)
     # A tensor-parallel block is several ranges of the global tensor; others are one.
-    runs = slot.global_runs()
-    parts = [_global_range(view, shape, start, start + hi - lo) for lo, hi, start in runs]
-    return torch.cat(parts).to(slot.dtype) if len(parts) > 1 else parts[0].to(slot.dtype)
+    return slot.read_local(lambda s, e: _global_range(view, shape, s, e)).to(slot.dtype)
 
 
 def _global_range(view, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ maps onto runs of the global tensor (``layout/blocks.py``); its TP replicas (a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,21 @@ class ParamSlot:
             (lo - self.start, hi - self.start, g)
             for lo, hi, g in block_runs(self.tp.block, self.start, self.end)
         ]
+
+    def saved_pieces(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor, int]]:
+        """``value`` (shaped like ``local``) as the checkpoint's pieces: ``(key suffix, 1-D
+        piece, global start)``; a TP block's are its runs, keyed ``@<global start>``."""
+        flat = value.detach().reshape(-1)
+        if self.tp is None:
+            return [("", flat, self.start)]
+        return [(f"@{g}", flat[lo:hi], g) for lo, hi, g in self.global_runs()]
+
+    def read_local(self, read: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """This rank's ``end - start`` elements, from ``read(global_start, global_end)``."""
+        if self.tp is None:
+            return read(self.start, self.end)
+        parts = [read(g, g + hi - lo) for lo, hi, g in self.global_runs()] or [read(0, 0)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def piece_of_whole(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's piece (1-D, ``end - start``) of ``whole``, a global-shape tensor."""
