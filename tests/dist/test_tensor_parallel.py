@@ -88,6 +88,14 @@ def test_hybrid_shard_on_a_slice_of_a_3d_mesh():
         _assert_states(state, expected)
 
 
+def test_cpu_offload_and_activation_checkpointing():
+    expected = tp_cases.reference_run(num_steps=2)[2]
+    for states in run_ranks(tp_cases.offload_and_checkpointing, WORLD, 2):
+        for case, state in states.items():
+            assert set(state) == set(expected), case
+            _assert_states(state, expected)
+
+
 def test_what_tp_refuses_is_named():
     for messages in run_ranks(tp_cases.refusals, WORLD):
         assert "sync_module_states" in messages["sync_module_states"]

@@ -369,6 +369,27 @@ def hybrid_state(rank: int, world_size: int, num_steps: int) -> dict:
     return model.state_dict()
 
 
+def offload_and_checkpointing(rank: int, world_size: int, num_steps: int) -> dict:
+    """Full state dicts after training with CPUOffload, and with activation checkpointing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    mesh = make_mesh()
+    dp_rank = mesh["dp"].get_local_rank()
+    offload = shardwrap.CPUOffload(offload_params=True)
+    states = {}
+    for case in ("cpu_offload", "activation_checkpointing"):
+        kwargs = {"cpu_offload": offload} if case == "cpu_offload" else {}
+        model = wrap(parallelized(build_reference(), mesh), mesh, **kwargs)
+        if case == "activation_checkpointing":
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TPBlock))
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+        _trained(model, optim, dp_rank, DP, num_steps)
+        states[case] = model.state_dict()
+    return states
+
+
 def refusals(rank: int, world_size: int) -> dict[str, str]:
     """What TP x DP refuses, with the messages it gives."""
     mesh = make_mesh()
