@@ -75,6 +75,10 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     Parameter and state-dict names are exactly those of the unwrapped ``module``; the
     parameters the optimizer receives are this rank's pieces of the originals.
 
+    ``device_mesh`` may be a slice of a bigger mesh (``mesh["dp"]``; ``mesh["replicate",
+    "shard"]`` for hybrid), and ``module`` may hold ``DTensor`` parameters from torch's tensor
+    parallelism: [Note: ZeRO over tensor-parallel parameters] in ``core/tensor_parallel.py``.
+
     ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
     fewer elements are kept whole and replicated on every rank, never all-gathered, their
     gradients all-reduced; see [Note: parameter persistence] in ``layout/persistence.py``.
