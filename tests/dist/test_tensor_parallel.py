@@ -120,11 +120,12 @@ def _assert_same_states(got: dict, saved: dict) -> None:
         _assert_states(got["optim"]["state"][name], states, **EXACT)
 
 
-def test_checkpoint_from_tp_dp_loads_at_dp2_and_unwrapped(tmp_path):
+def test_checkpoint_from_tp_dp_loads_at_dp_1_2_3_tp4_and_unwrapped(tmp_path):
     path = str(tmp_path / "tp2dp2")
     saved = run_ranks(tp_cases.save_tp, WORLD, path)[0]
-    for got in run_ranks(tp_cases.load_dp, 2, path):
-        _assert_same_states(got, saved)
+    for world_size in (1, 2, 3):  # plain data parallelism, padded unevenly at 3
+        for got in run_ranks(tp_cases.load_dp, world_size, path):
+            _assert_same_states(got, saved)
     for got in run_ranks(tp_cases.load_tp, WORLD, path, 4):  # another TP degree: TP4 x DP1
         _assert_same_states(got, saved)
     consolidate(path, str(tmp_path / "hf"))
