@@ -18,6 +18,7 @@ safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -166,8 +167,10 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
     records: list[dict[str, Any]] = []
     is_rank0 = slots.world_comm.rank == 0
 
-    def add(kind: str, name: str, state: str | None, value: torch.Tensor, start: int) -> None:
-        key = f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}"
+    def add(
+        kind: str, name: str, state: str | None, value: torch.Tensor, start: int, at=""
+    ) -> None:
+        key = (f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}") + at
         flat = value.detach().reshape(-1)
         items.append(StreamItem(key, flat.dtype, (flat.numel(),), lambda flat=flat: flat))
         records.append(
@@ -182,9 +185,13 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
             }
         )
 
+    def add_slot(kind: str, slot: ParamSlot, state: str | None, value: torch.Tensor) -> None:
+        for at, piece, start in slot.saved_pieces(value):  # several for a TP block
+            add(kind, slot.fqn, state, piece, start, at)
+
     for slot in slots.slots:
         if slot.saves and slot.end > slot.start:
-            add("param", slot.fqn, None, slot.local, slot.start)
+            add_slot("param", slot, None, slot.local)
     if is_rank0:
         for name, buffer in slots.buffers.items():
             add("buffer", name, None, buffer, 0)
@@ -193,7 +200,7 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
             for state, value in optimizer.state.get(slot.local, {}).items():
                 kind = state_kind(slot, state, value)
                 if kind == SHARDED and slot.saves and slot.end > slot.start:
-                    add("optim", slot.fqn, state, value, slot.start)
+                    add_slot("optim", slot, state, value)
                 elif kind == SCALAR and is_rank0:
                     add("optim", slot.fqn, state, value, 0)
     return items, records  # JSON values of the state go into the index from rank 0's own
@@ -344,8 +351,8 @@ def _load_params(
         for slot, saved_name in matched:
             entry = index.params[saved_name]
             if slot.end > slot.start:
-                data = reader.read_range(saved_name, entry, slot.start, slot.end)
-                slot.local_flat().copy_(data)
+                read = functools.partial(reader.read_range, saved_name, entry)
+                slot.local_flat().copy_(slot.read_local(read))
         for name, buffer in slots.buffers.items():
             entry = index.buffers.get(name)
             if entry is None:
@@ -381,7 +388,7 @@ def _load_optimizer(
         if entry.shape == ():
             return reader.read_full(f"{slot.fqn}/{state}", entry)
         check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
-        flat = reader.read_range(f"{slot.fqn}/{state}", entry, slot.start, slot.end)
+        flat = slot.read_local(lambda s, e: reader.read_range(f"{slot.fqn}/{state}", entry, s, e))
         return flat.reshape(slot.local.shape)
 
     groups_slots = optimizer_slots(optimizer, slots)

@@ -77,6 +77,9 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     parameters the optimizer receives are this rank's pieces of the originals.
 
     ``comm_quantization`` (keyword only): ZeRO++'s switches, a ``CommQuantization``.
+    ``device_mesh`` may be a slice of a bigger mesh (``mesh["dp"]``; ``mesh["replicate",
+    "shard"]`` for hybrid), and ``module`` may hold ``DTensor`` parameters from torch's tensor
+    parallelism: [Note: ZeRO over tensor-parallel parameters] in ``core/tensor_parallel.py``.
 
     ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
     fewer elements are kept whole and replicated on every rank, never all-gathered, their

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..base.validate import check_int
 from ..comm.collectives import Communicator
@@ -160,6 +161,11 @@ def shard_root(
     records = collect_params(module, ignored, excluded)
     if not deferred:
         check_one_device(records)
+    if (deferred or sync_module_states) and any(isinstance(r.param, DTensor) for r in records):
+        raise ValueError(
+            "sync_module_states / meta-device initialisation: not supported for DTensor "
+            "(tensor-parallel) parameters; initialise them before parallelize_module"
+        )
     owned = assign_params(module, unit_modules, records)
     del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
     materializer = UnitMaterializer(

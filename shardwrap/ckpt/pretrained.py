@@ -93,15 +93,21 @@ def _checked(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.T
 
 
 def _read_range(handle, name: str, slot: ParamSlot) -> torch.Tensor:
-    """Elements ``[slot.start, slot.end)`` of ``name`` flattened, reading whole rows only."""
+    """This rank's elements of ``name`` (``slot.local_flat()``'s), reading whole rows only."""
     view = handle.get_slice(name)
     shape = tuple(view.get_shape())
     if shape != slot.shape:
         raise CheckpointError(f"parameter {name!r}: file shape {shape}, model shape {slot.shape}")
     if len(shape) == 0:
         return handle.get_tensor(name).reshape(-1).to(slot.dtype)
+    # A tensor-parallel block is several ranges of the global tensor; others are one.
+    return slot.read_local(lambda s, e: _global_range(view, shape, s, e)).to(slot.dtype)
+
+
+def _global_range(view, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a stored tensor flattened."""
     row = math.prod(shape[1:])
-    first_row, last_row = slot.start // row, -(-slot.end // row)
+    first_row, last_row = start // row, -(-end // row)
     rows = view[first_row:last_row].reshape(-1)
-    begin = slot.start - first_row * row
-    return rows[begin : begin + slot.end - slot.start].to(slot.dtype)
+    begin = start - first_row * row
+    return rows[begin : begin + end - start]
