@@ -242,10 +242,21 @@ class Schedule:
         self.flush_bucket()
         self.finish_reduces()
 
-    def end_step(self, forward_order: list[Unit]) -> None:
-        """Remember this step's order; settle reductions and prefetches nobody used."""
+    def end_step(self, forward_order: list[Unit], *, last: bool = True) -> None:
+        """Remember this step's order; settle reductions and prefetches nobody used.
+
+        ``last=False``: a backward that does not end a microbatched step ([Note:
+        microbatched steps] in runtime/step.py): reductions settle, gathers in flight land
+        and stay, the order is not replaced.
+        """
         self.flush_bucket()
         self.finish_reduces()
+        if not last:
+            for unit in forward_order:
+                if unit.handle is not None and unit.handle.gather_in_flight:
+                    unit.handle.unshard()
+                    unit.handle.reshard(free=False)
+            return
         self.bucket_slots.end_step()
         # A bucket may have gathered units from the last order that this step did not run.
         touched = list(dict.fromkeys([*forward_order, *self.previous_forward_order]))
