@@ -9,7 +9,6 @@ rank ``r`` is pipeline rank ``r // dp`` and data-parallel rank ``r % dp``, as
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 
 import torch
@@ -78,7 +77,7 @@ def reference_run(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
@@ -115,15 +114,14 @@ def build_stages(pp: int, dp: int, strategy: str, virtual: int, keep_gathered: b
     return mesh, stages, wrapped
 
 
-def pipeline_worker(
-    rank: int,
-    world_size: int,
-    pp: int,
-    strategy: str,
-    schedule: str,
-    keep_gathered: bool = False,
-) -> dict:
-    """Train NUM_STEPS steps; per step the mean loss (last stage) and the ledger's counts."""
+def pipeline_worker(rank: int, world_size: int, pp: int, cases: list[tuple]) -> dict:
+    """``train`` for each ``(strategy, schedule, keep_gathered)`` case, by case."""
+    return {case: train(world_size, pp, *case) for case in cases}
+
+
+def train(world_size: int, pp: int, strategy: str, schedule: str, keep_gathered: bool) -> dict:
+    """Train NUM_STEPS steps: the mean loss per step (last stage), the ledger's counts per
+    step, and the stage's full parameters at the end."""
     dp = world_size // pp
     virtual = 2 if schedule == "interleaved" else 1
     mesh, stages, wrapped = build_stages(pp, dp, strategy, virtual, keep_gathered)
@@ -151,7 +149,7 @@ def pipeline_worker(
         if is_last:
             mean = torch.stack(step_losses).mean().reshape(1)
             dist.all_reduce(mean, group=mesh["dp"].get_group())
-            losses.append(float(mean) / dp)
+            losses.append(float(mean.detach()) / dp)
     final = {}
     for m in wrapped:
         final.update({k: v.clone() for k, v in m.state_dict().items()})
@@ -180,11 +178,3 @@ def _ledger_counts(module) -> dict:
             if u.handle is not None and u.handle.has_trainable_params
         ),
     }
-
-
-def reference_losses_and_params(dp: int):
-    return reference_run(dp)
-
-
-def copy_of(state: dict) -> dict:
-    return copy.deepcopy(state)
