@@ -178,3 +178,68 @@ def _ledger_counts(module) -> dict:
             if u.handle is not None and u.handle.has_trainable_params
         ),
     }
+
+
+# ----------------------------------------------------------------- checkpoints (PP x DP)
+CKPT_STEPS = 2
+
+
+def _full_state(module, optim) -> dict:
+    """Whole parameters and optimizer state by name (this rank's stage, or the model)."""
+    osd = shardwrap.ShardedModule.optim_state_dict(module, optim)
+    return {"model": dict(module.state_dict()), "optim": osd["state"]}
+
+
+def pp_save_worker(rank: int, world_size: int, pp: int, strategy: str, path: str) -> dict:
+    """Train the stages CKPT_STEPS steps, save; the stage's whole state as saved."""
+    dp = world_size // pp
+    mesh, (stage,), (module,) = build_stages(pp, dp, strategy, 1, False)
+    optim = torch.optim.AdamW(module.parameters(), lr=0.01)
+    sched = ScheduleGPipe(stage, n_microbatches=NUM_MICROBATCHES, loss_fn=F.mse_loss)
+    for step in range(CKPT_STEPS):
+        x, y = local_batch(step, dp, mesh["dp"].get_local_rank())
+        sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+        optim.step()
+        optim.zero_grad()
+    shardwrap.save_checkpoint(path, module, optim, extra={"step": CKPT_STEPS})
+    return _full_state(module, optim)
+
+
+def pp_load_worker(rank: int, world_size: int, pp: int, strategy: str, path: str) -> dict:
+    """Fresh stages (other initial values), load the checkpoint; the stage's whole state."""
+    _, _, (module,) = build_stages(pp, world_size // pp, strategy, 1, False)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.fill_(7.0)
+    optim = torch.optim.AdamW(module.parameters(), lr=0.01)
+    extra = shardwrap.load_checkpoint(path, module, optim)
+    return {**_full_state(module, optim), "extra": extra}
+
+
+def _plain_dp(strategy: str):
+    module = shardwrap.ShardedModule(
+        whole_model(), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
+    )
+    return module, torch.optim.AdamW(module.parameters(), lr=0.01)
+
+
+def dp_save_worker(rank: int, world_size: int, strategy: str, path: str) -> dict:
+    """Plain data parallelism: train CKPT_STEPS steps on the global batch, save."""
+    module, optim = _plain_dp(strategy)
+    rows = NUM_MICROBATCHES * MICRO_BATCH
+    for step in range(CKPT_STEPS):
+        x, y = global_batch(step, world_size)
+        F.mse_loss(
+            module(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]
+        ).backward()
+        optim.step()
+        optim.zero_grad()
+    shardwrap.save_checkpoint(path, module, optim, extra={"step": CKPT_STEPS})
+    return _full_state(module, optim)
+
+
+def dp_load_worker(rank: int, world_size: int, strategy: str, path: str) -> dict:
+    """Plain data parallelism at any world size: load; the model's whole state."""
+    module, optim = _plain_dp(strategy)
+    extra = shardwrap.load_checkpoint(path, module, optim)
+    return {**_full_state(module, optim), "extra": extra}
