@@ -34,7 +34,9 @@ def balanced_partition(weights: Sequence[int], num_parts: int) -> list[int]:
     if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
         raise ValueError(f"num_stages: expected a positive int, got {num_parts!r}")
     if count < num_parts:
-        raise ValueError(f"num_stages: {num_parts} stages need at least as many layers, got {count}")
+        raise ValueError(
+            f"num_stages: {num_parts} stages need at least as many layers, got {count}"
+        )
     if any(w < 0 for w in weights):
         raise ValueError("weights: must be non-negative")
     low, high = max(weights, default=0), sum(weights)
