@@ -8,6 +8,8 @@ global batches, gradient clipping over all stages included.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ def _micro_batches(step: int, dp: int, dp_rank: int):
     return zip(x.split(pc.MICRO_BATCH), y.split(pc.MICRO_BATCH), strict=True)
 
 
-def train_batch_worker(rank: int, world_size: int, stages: list[int]) -> dict:
+def train_batch_worker(rank: int, world_size: int, stages: list[int], save_dir: str) -> dict:
     results = {}
     for stage in stages:
         layers = list(pc.whole_model())
@@ -50,6 +52,11 @@ def train_batch_worker(rank: int, world_size: int, stages: list[int]) -> dict:
             norms.append(engine.get_global_grad_norm())
         final = dict(engine.module.state_dict())
         results[stage] = {"losses": losses, "final": final, "norms": norms}
+    # The last engine's checkpoint loads into the plain model at plain data parallelism.
+    engine.save_checkpoint(save_dir)
+    plain = shardwrap.ShardedModule(pc.whole_model())
+    shardwrap.load_checkpoint(os.path.join(save_dir, f"global_step{pc.NUM_STEPS}"), plain)
+    results["plain"] = dict(plain.state_dict())
     return results
 
 
@@ -69,8 +76,9 @@ def _reference(stage: int):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(train_batch_worker, WORLD, [1, 2, 3])
+def results(tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("ds_pipe"))
+    return run_ranks(train_batch_worker, WORLD, [1, 2, 3], save_dir)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -85,3 +93,14 @@ def test_train_batch_matches_single_process(results, stage):
             torch.testing.assert_close(value, ref_params[name].detach(), msg=name)
             seen.add(name)
     assert seen == set(ref_params)
+
+
+def test_pipeline_engine_checkpoint_loads_as_plain_model(results):
+    """Saved by the ZeRO-3 pipeline engine, loaded at plain DP4: the same tensors, exactly."""
+    whole = {}
+    for by_stage in results:
+        whole.update(by_stage[3]["final"])
+    for by_stage in results:
+        assert set(by_stage["plain"]) == set(whole)
+        for name, value in whole.items():
+            torch.testing.assert_close(by_stage["plain"][name], value, rtol=0, atol=0)
