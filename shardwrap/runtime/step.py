@@ -156,7 +156,8 @@ class StepRuntime:
             # Every flag is known once the last reduction is issued: the vote goes out now
             # and its round trip overlaps the wait for the reductions still in flight.
             vote = self.start_vote(self.units)
-        self.schedule.end_step(self._order_for_end(), last=self.is_last_backward)
+        order = self._order_for_end()
+        self.schedule.end_step(order, last=self.is_last_backward, free=self.reshard_after_backward)
         if vote is not None:
             vote.finish()
         for unit in self.units:

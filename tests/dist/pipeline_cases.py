@@ -9,6 +9,7 @@ rank ``r`` is pipeline rank ``r // dp`` and data-parallel rank ``r % dp``, as
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
 import torch
@@ -243,3 +244,40 @@ def dp_load_worker(rank: int, world_size: int, strategy: str, path: str) -> dict
     module, optim = _plain_dp(strategy)
     extra = shardwrap.load_checkpoint(path, module, optim)
     return {**_full_state(module, optim), "extra": extra}
+
+
+# ------------------------------------------- hand-written accumulation with the controls
+def accumulation_worker(rank: int, world_size: int) -> dict:
+    """Two micro-batches, FSDP2-style (no sync, no reshard after backward, then both on),
+    with and without keeping; the second micro-batch's all-gathers and the gradients'
+    distance from one big batch's."""
+    results = {}
+    for keep in (False, True):
+        reference = whole_model()
+        module = shardwrap.ShardedModule(
+            copy.deepcopy(reference), auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
+        )
+        x, y = global_batch(0, world_size)
+        rows = x.shape[0] // world_size
+        mine = slice(rank * rows, (rank + 1) * rows)
+        halves = list(zip(x[mine].chunk(2), y[mine].chunk(2), strict=True))
+        for index, (xs, ys) in enumerate(halves):
+            last = index == len(halves) - 1
+            module.set_requires_gradient_sync(last)
+            module.set_reshard_after_backward(last or not keep)
+            module.comm_ledger.reset()
+            (F.mse_loss(module(xs), ys) / len(halves)).backward()
+        F.mse_loss(reference(x), y).backward()
+        sharded_grads = {
+            name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None
+        }
+        with shardwrap.ShardedModule.summon_full_params(module, with_grads=True):
+            full = {name: p.grad.clone() for name, p in module.named_parameters()}
+        ref = {name: p.grad for name, p in reference.named_parameters()}
+        results[keep] = {
+            "gathers": module.comm_ledger.count("all_gather", "params"),
+            "full_grads": full,
+            "reference": ref,
+            "had_grads": sorted(sharded_grads),
+        }
+    return results

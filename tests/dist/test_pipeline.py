@@ -70,3 +70,14 @@ def test_zero3_gathers_per_step(results):
             assert k["gathers"] == units, k
             assert units < d["gathers"] <= units * (pc.NUM_MICROBATCHES + 1), d
             assert d["gather_bytes"] > k["gather_bytes"]
+
+
+def test_controls_for_hand_written_accumulation():
+    """FSDP2's pattern (``set_requires_gradient_sync(False)`` and
+    ``set_reshard_after_backward(False)`` on all micro-batches but the last): the same
+    gradients as one big batch, and the second micro-batch's forward gathers nothing."""
+    for by_keep in run_ranks(pc.accumulation_worker, 2):
+        for keep, out in by_keep.items():
+            for name, grad in out["reference"].items():
+                torch.testing.assert_close(out["full_grads"][name], grad, msg=name)
+        assert by_keep[True]["gathers"] < by_keep[False]["gathers"], by_keep
