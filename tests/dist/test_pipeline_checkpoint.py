@@ -8,7 +8,12 @@ state.
 
 from __future__ import annotations
 
+import os
+
 import torch
+from safetensors.torch import load_file
+
+from shardwrap.ckpt.consolidate import consolidate
 
 from tests.dist import pipeline_cases as pc
 from tests.dist.harness import run_ranks
@@ -42,6 +47,11 @@ def test_pipeline_checkpoint_loads_at_plain_dp(tmp_path):
         for rank, state in enumerate(loaded):
             _assert_same(state[part], whole, f"rank {rank} {part}")
     assert all(state["extra"] == {"step": pc.CKPT_STEPS} for state in loaded)
+    # Consolidated for from_pretrained: one file with the whole model.
+    out = str(tmp_path / "hf")
+    consolidate(path, out)
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    _assert_same(exported, _union(saved, "model"), "consolidated")
 
 
 def test_plain_checkpoint_loads_into_stages(tmp_path):
