@@ -21,6 +21,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
+from shardwrap.ckpt.pretrained import load_pretrained
 from shardwrap.features.pipeline_stage import ShardedPipelineStage
 
 DIM = 8
@@ -215,6 +216,14 @@ def pp_load_worker(rank: int, world_size: int, pp: int, strategy: str, path: str
     optim = torch.optim.AdamW(module.parameters(), lr=0.01)
     extra = shardwrap.load_checkpoint(path, module, optim)
     return {**_full_state(module, optim), "extra": extra}
+
+
+def pp_pretrained_worker(rank: int, world_size: int, pp: int, folder: str) -> dict:
+    """Fresh FULL_SHARD stages, ``load_pretrained`` of a Hugging Face folder; the stage's
+    whole parameters."""
+    _, _, (module,) = build_stages(pp, world_size // pp, "FULL_SHARD", 1, False)
+    load_pretrained(module, folder)
+    return dict(module.state_dict())
 
 
 def _plain_dp(strategy: str):

@@ -1,9 +1,9 @@
 """Checkpoints under PP x DP hold the whole model under its own names.
 
 Saved by PP2 x DP2 stages (each stage contributes its own parameters and optimizer
-state), a checkpoint loads under plain data parallelism at another world size, and one
-saved under plain data parallelism loads into the stages: bit for bit, model and AdamW
-state.
+state), a checkpoint loads under plain data parallelism at another world size (and
+consolidates into one Hugging Face file), and one saved under plain data parallelism loads
+into the stages, as does its Hugging Face export: bit for bit, model and AdamW state.
 """
 
 from __future__ import annotations
@@ -66,3 +66,8 @@ def test_plain_checkpoint_loads_into_stages(tmp_path):
             mine = {name: whole[name] for name in state[part]}
             assert mine, rank
             _assert_same(state[part], mine, f"rank {rank} {part}")
+    # And its Hugging Face export loads into the stages (load_pretrained), exactly.
+    out = str(tmp_path / "hf")
+    consolidate(path, out)
+    for rank, state in enumerate(run_ranks(pc.pp_pretrained_worker, 4, PP, out)):
+        _assert_same(state, {n: saved[0]["model"][n] for n in state}, f"rank {rank} pretrained")
