@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..flat_param import FlatParamHandle
 from ..runtime import registry
@@ -64,7 +65,14 @@ class ModelSlots:
 
 
 def world_communicator(model: nn.Module) -> Communicator:
-    """Over the model's world: the default group, or its own group when there is none."""
+    """Over every rank: the default group, or the model's own group when there is none.
+
+    Not the model's own group when there is a default one: a pipeline stage's is its data-
+    parallel group, and a checkpoint spans every stage ([Note: checkpoints of pipeline
+    stages] in fragments.py).
+    """
+    if collectives.is_initialized():
+        return Communicator(collectives.default_group(), model.comm_ledger)
     return Communicator(model._runtime.world_comm.group, model.comm_ledger)
 
 

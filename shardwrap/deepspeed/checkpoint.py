@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .. import checkpoint
+from ..ckpt.slots import world_communicator
 from ..comm import collectives
-from ..comm.collectives import Communicator
 
 LATEST_FILE = "latest"
 
@@ -67,8 +67,7 @@ def save(
         _write_latest(os.fspath(save_dir), tag)
     # No rank returns (and perhaps reads `latest`) before rank 0 has written it.
     # Every rank: under pipeline parallelism the module's own group is its stage's only.
-    world = Communicator(collectives.default_group(), engine.module.comm_ledger)
-    world.all_reduce(torch.zeros(1), purpose="barrier").wait()
+    world_communicator(engine.module).all_reduce(torch.zeros(1), purpose="barrier").wait()
     return path
 
 
