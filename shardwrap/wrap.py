@@ -28,7 +28,6 @@ from .build.setup import (
 from .ckpt import fsdp1 as _fsdp1
 from .ckpt import fsdp1_rekey
 from .ckpt import state_dict as _state_dict
-from .comm import collectives
 from .comm.collectives import CollectiveChecker, CommLedger, Communicator
 from .comm.groups import resolve_groups
 from .core.unit import Unit
@@ -131,10 +130,8 @@ class ShardedModule(FSDP1Attributes, GradSyncControl, nn.Module, metaclass=FSDPM
             self.comm_ledger,
             self.param_persistence_threshold,
         )
-        # DiskOffload: shards and Adam state in mapped files, named by the rank in the world
-        # (every rank's: a pipeline stage's own group is only its data-parallel ranks).
-        rank = collectives.world_rank() if collectives.is_initialized() else comms.world.rank
-        self.disk_store = disk_store_for(cpu_offload, rank)
+        # DiskOffload: shards and Adam state in mapped files, named by the rank in the world.
+        self.disk_store = disk_store_for(cpu_offload, comms.world.rank)
         absorbed = absorb_nested(module, policy=policy)
         new_units, full_precision = shard_root(
             module,
