@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .base.validate import check_bool
-from .ckpt import run_state
+from .ckpt import fragments, run_state
 from .ckpt.format import (
     INDEX_NAME,
     CheckpointError,
@@ -48,10 +48,8 @@ from .ckpt.matching import check_entry, check_fits_model, match_names
 from .ckpt.optim_state import (
     SCALAR,
     SHARDED,
-    VALUE,
     build_load_dict,
     check_fits,
-    hyperparameters,
     optimizer_class_name,
     optimizer_slots,
     state_kind,
@@ -152,20 +150,21 @@ def _write_rank_file(
     root: str, save_id: str, slots: ModelSlots, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
     items, records = _rank_items(slots, optimizer)
+    part = fragments.fragment(slots, optimizer)  # [Note: checkpoints of pipeline stages]
     os.makedirs(root, exist_ok=True)
     if not items:
-        return {"file": None, "records": records}
+        return {"file": None, "records": records, "fragment": part}
     name = shard_file_name(save_id, slots.world_comm.rank)
     written = write_stream(os.path.join(root, name), items, {"format": "pt", "save_id": save_id})
     entry = FileEntry(written.size, written.sha256, written.chunk_bytes, written.chunk_sha256)
-    return {"file": name, "file_entry": entry.to_json(), "records": records}
+    return {"file": name, "file_entry": entry.to_json(), "records": records, "fragment": part}
 
 
 def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[dict]]:
     """The 1-D pieces this rank saves (written lazily), and a record of each for the index."""
     items: list[StreamItem] = []
     records: list[dict[str, Any]] = []
-    is_rank0 = slots.world_comm.rank == 0
+    is_rank0 = slots.leads  # the first data-parallel rank of this rank's stage
 
     def add(
         kind: str, name: str, state: str | None, value: torch.Tensor, start: int, at=""
@@ -209,19 +208,24 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[di
 def _commit_index(
     root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra, sampler
 ) -> dict[str, Any]:
-    """World rank 0, once every rank's file is durable: write the index, drop old files."""
+    """World rank 0, once every rank's file is durable: write the index, drop old files.
+
+    The index describes the union of every rank's model ([Note: checkpoints of pipeline
+    stages]).
+    """
     pieces = _collect_pieces(reports)
+    whole = fragments.merge([r["fragment"] for r in reports])
     params = {
-        s.fqn: _entry(s.fqn, s.shape, dtype_name(s.dtype), pieces[("param", s.fqn, None)])
-        for s in slots.slots
+        name: _entry(name, tuple(shape), dtype, pieces[("param", name, None)])
+        for name, (shape, dtype) in whole["params"].items()
     }
     buffers = {
-        name: _entry(name, tuple(b.shape), dtype_name(b.dtype), pieces[("buffer", name, None)])
-        for name, b in slots.buffers.items()
+        name: _entry(name, tuple(shape), dtype, pieces[("buffer", name, None)])
+        for name, (shape, dtype) in whole["buffers"].items()
     }
     optim_state = param_groups = None
-    if optimizer is not None:
-        optim_state, param_groups = _optimizer_entries(slots, optimizer, pieces)
+    if whole["groups"] is not None:
+        optim_state, param_groups = _optimizer_entries(whole, pieces), whole["groups"]
     files = {
         r["file"]: FileEntry.from_json(r["file"], r["file_entry"]) for r in reports if r["file"]
     }
@@ -234,7 +238,7 @@ def _commit_index(
             run_state.META_KEY: run_state.index_record(sampler),
         },
         params=params,
-        aliases=dict(slots.aliases),
+        aliases=whole["aliases"],
         buffers=buffers,
         optim_state=optim_state,
         param_groups=param_groups,
@@ -271,27 +275,19 @@ def _entry(name: str, shape: tuple[int, ...], dtype: str, pieces: list[PieceRef]
     return entry
 
 
-def _optimizer_entries(slots: ModelSlots, optimizer, pieces: PieceMap):
-    state_entries: dict[str, dict[str, Any]] = {}
-    param_groups = []
-    for group_index, (group, group_slots) in enumerate(
-        zip(optimizer.param_groups, optimizer_slots(optimizer, slots), strict=True)
-    ):
-        param_groups.append(
-            {**hyperparameters(group, group_index), "params": [s.fqn for s in group_slots]}
-        )
-        for slot in group_slots:
-            for state, value in optimizer.state.get(slot.local, {}).items():
-                kind = state_kind(slot, state, value)
-                if kind == VALUE:
-                    entry: Any = {"value": value}
-                else:
-                    shape = slot.shape if kind == SHARDED else ()
-                    name = f"{slot.fqn}/{state}"
-                    refs = pieces[("optim", slot.fqn, state)]
-                    entry = _entry(name, shape, dtype_name(value.dtype), refs)
-                state_entries.setdefault(slot.fqn, {})[state] = entry
-    return state_entries, param_groups
+def _optimizer_entries(whole: dict[str, Any], pieces: PieceMap) -> dict[str, dict[str, Any]]:
+    """Index entries of the optimizer state the merged fragments describe."""
+    entries: dict[str, dict[str, Any]] = {}
+    for fqn, states in whole["state"].items():
+        for state, described in states.items():
+            if "value" in described:
+                entry: Any = {"value": described["value"]}
+            else:
+                refs = pieces[("optim", fqn, state)]
+                shape = tuple(described["shape"])
+                entry = _entry(f"{fqn}/{state}", shape, described["dtype"], refs)
+            entries.setdefault(fqn, {})[state] = entry
+    return entries
 
 
 # ------------------------------------------------------------------------------ load
@@ -315,15 +311,18 @@ def load_checkpoint(
     slots = model_slots(model)
     comm = slots.world_comm
     result: dict[str, Any] = {}
+    # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
+    every = comm.all_gather_object(fragments.local_names(slots), purpose="checkpoint")
+    elsewhere = fragments.names_held_elsewhere(slots, every)
 
     def load() -> dict[str, Any]:
         run_state.check_sampler("sampler", sampler, "load_state_dict")
         check_bool("restore_rng", restore_rng)
         index = read_index(root)
-        matched = match_names(index, slots, strict)
+        matched = match_names(index, slots, strict, elsewhere)
         check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
         if optimizer is not None:  # refuse a misfit before the model changes
-            _check_optimizer(index, slots, optimizer)
+            _check_optimizer(index, slots, optimizer, elsewhere)
         result["run"] = None
         if restore_rng or sampler is not None:
             run, data = run_state.read_for_load(root, index.meta, comm.rank, comm.size, sampler)
@@ -333,7 +332,7 @@ def load_checkpoint(
         with CheckpointReader(root, index) as reader:
             _load_params(index, reader, slots, matched)
             if optimizer is not None:
-                _load_optimizer(index, reader, slots, optimizer)
+                _load_optimizer(index, reader, slots, optimizer, elsewhere)
         result["extra"] = index.extra
         return {}
 
@@ -360,15 +359,20 @@ def _load_params(
             buffer.copy_(reader.read_full(name, entry))
 
 
-def _saved_groups(index: CheckpointIndex) -> list[dict[str, Any]]:
+def _saved_groups(index: CheckpointIndex, elsewhere: set[str]) -> list[dict[str, Any]]:
+    """The saved param groups, less the parameters of other pipeline stages."""
     if index.optim_state is None or index.param_groups is None:
         raise CheckpointError("the checkpoint holds no optimizer state (saved without optimizer)")
-    return [{**g, "params": [index.resolve(n) for n in g["params"]]} for g in index.param_groups]
+    return [
+        {**g, "params": [index.resolve(n) for n in g["params"] if n not in elsewhere]}
+        for g in index.param_groups
+    ]
 
 
-def _check_optimizer(index: CheckpointIndex, slots: ModelSlots, optimizer) -> None:
+def _check_optimizer(index: CheckpointIndex, slots: ModelSlots, optimizer, elsewhere) -> None:
     saved_class = index.meta.get("optimizer_class")
-    check_fits(optimizer, optimizer_slots(optimizer, slots), saved_class, _saved_groups(index))
+    saved = _saved_groups(index, elsewhere)
+    check_fits(optimizer, optimizer_slots(optimizer, slots), saved_class, saved)
 
 
 def _load_optimizer(
@@ -376,8 +380,9 @@ def _load_optimizer(
     reader: CheckpointReader,
     slots: ModelSlots,
     optimizer: torch.optim.Optimizer,
+    elsewhere: set[str],
 ) -> None:
-    saved_groups = _saved_groups(index)
+    saved_groups = _saved_groups(index, elsewhere)
     saved_state = {index.resolve(k): v for k, v in index.optim_state.items()}
     names = {n: list(states) for n, states in saved_state.items()}
 

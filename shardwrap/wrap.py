@@ -34,6 +34,7 @@ from .comm.groups import resolve_groups
 from .core.unit import Unit
 from .features import batch_weight, forward_methods, fsdp1_methods, grad_clip
 from .features import summon as full_params
+from .features.grad_sync import GradSyncControl
 from .layout.persistence import check_threshold
 from .offload.host import host_staging_for
 from .options import (
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 
-class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
+class ShardedModule(FSDP1Attributes, GradSyncControl, nn.Module, metaclass=FSDPMeta):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..base.validate import check_int
+from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..core.storage import ShardAllocator
 from ..core.unit import Unit
@@ -194,8 +195,13 @@ def shard_root(
     return new_units, full_precision
 
 
-def disk_store_for(cpu_offload: object, world_rank: int) -> DiskStore | None:
-    """``DiskOffload``'s store of shards and Adam state in mapped files, else None."""
+def disk_store_for(cpu_offload: object, group_rank: int) -> DiskStore | None:
+    """``DiskOffload``'s store of shards and Adam state in mapped files, else None.
+
+    Files are named by the global rank (``group_rank``, the model's own group's, without a
+    default group): a pipeline stage's group holds only its data-parallel ranks.
+    """
     if not isinstance(cpu_offload, DiskOffload):
         return None
-    return DiskStore(cpu_offload.path, world_rank, cpu_offload.sub_group_size)
+    rank = collectives.world_rank() if collectives.is_initialized() else group_rank
+    return DiskStore(cpu_offload.path, rank, cpu_offload.sub_group_size)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from ..checkpoint import _guarded, _raise_failures
 from .consolidate import HF_INDEX_FILE, HF_SINGLE_FILE
 from .format import CheckpointError, member_path
+from .fragments import local_names, names_held_elsewhere
 from .slots import ParamSlot, model_slots
 
 
@@ -52,13 +53,16 @@ def load_pretrained(model: Any, path: str | os.PathLike, *, strict: bool = True)
     """
     root = os.fspath(path)
     slots = model_slots(model)
+    # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
+    every = slots.world_comm.all_gather_object(local_names(slots), purpose="load_pretrained")
+    elsewhere = names_held_elsewhere(slots, every)
     reports = slots.world_comm.all_gather_object(
-        _guarded(lambda: _load(root, slots, strict)), purpose="load_pretrained"
+        _guarded(lambda: _load(root, slots, strict, elsewhere)), purpose="load_pretrained"
     )
     _raise_failures("load_pretrained", root, reports)
 
 
-def _load(root: str, slots, strict: bool) -> dict[str, Any]:
+def _load(root: str, slots, strict: bool, elsewhere: set[str]) -> dict[str, Any]:
     files = weight_files(root)
     names_of = {s.fqn: [s.fqn] for s in slots.slots}
     for alias, canonical in slots.aliases.items():
@@ -66,7 +70,7 @@ def _load(root: str, slots, strict: bool) -> dict[str, Any]:
     missing = [s.fqn for s in slots.slots if not any(n in files for n in names_of[s.fqn])]
     missing += [n for n in slots.buffers if n not in files]
     known = {n for names in names_of.values() for n in names} | set(slots.buffers)
-    unexpected = sorted(set(files) - known)
+    unexpected = sorted(set(files) - known - elsewhere)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{root} does not fit the model: missing {missing[:10]}, unexpected "

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..core.tensor_parallel import TPSpec
 from ..flat_param import FlatParamHandle
 from ..layout.blocks import block_runs
+from ..runtime import registry
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,13 +92,25 @@ class ModelSlots:
     aliases: dict[str, str]  # tied name -> canonical name
     buffers: dict[str, torch.Tensor]  # persistent buffers by state-dict name
     world_comm: Communicator
+    # This rank is its data-parallel group's first: it saves what the group holds whole
+    # (buffers, parameters outside every unit, scalar optimizer state). World rank 0 but
+    # under pipeline parallelism, where each stage has its own ([Note: checkpoints of
+    # pipeline stages] in fragments.py).
+    leads: bool = True
 
     def by_name(self) -> dict[str, ParamSlot]:
         return {s.fqn: s for s in self.slots}
 
 
 def world_communicator(model: nn.Module) -> Communicator:
-    """Over the model's world: the default group, or its own group when there is none."""
+    """Over every rank: the default group, or the model's own group when there is none.
+
+    Not the model's own group when there is a default one: a pipeline stage's is its data-
+    parallel group, and a checkpoint spans every stage ([Note: checkpoints of pipeline
+    stages] in fragments.py).
+    """
+    if collectives.is_initialized():
+        return Communicator(collectives.default_group(), model.comm_ledger)
     return Communicator(model._runtime.world_comm.group, model.comm_ledger)
 
 
@@ -105,6 +119,8 @@ def model_slots(model: nn.Module) -> ModelSlots:
     if not hasattr(model, "units") or not hasattr(model, "comm_ledger"):
         raise TypeError(f"model: expected a ShardedModule, got {type(model).__name__}")
     world_comm = world_communicator(model)
+    runtime = registry.runtime_of(model.units[0]) if model.units else None
+    leads = (runtime.world_comm if runtime is not None else world_comm).rank == 0
     slots: list[ParamSlot] = []
     by_param: dict[int, ParamSlot] = {}
     handles = [u.handle for u in model.units if u.handle is not None]
@@ -118,7 +134,7 @@ def model_slots(model: nn.Module) -> ModelSlots:
     for name, param in model.module.named_parameters(remove_duplicate=False):
         slot = by_param.get(id(param))
         if slot is None:
-            slot = _plain_slot(name, param, world_comm.rank == 0)
+            slot = _plain_slot(name, param, leads)
             slots.append(slot)
             by_param[id(param)] = slot
         elif name != slot.fqn:
@@ -128,7 +144,7 @@ def model_slots(model: nn.Module) -> ModelSlots:
         for name, value in model.module.state_dict(keep_vars=True).items()
         if id(value) not in by_param
     }
-    return ModelSlots(slots, by_param, aliases, buffers, world_comm)
+    return ModelSlots(slots, by_param, aliases, buffers, world_comm, leads)
 
 
 def _tp_lead(handles: list[FlatParamHandle]) -> bool:

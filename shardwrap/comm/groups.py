@@ -22,7 +22,7 @@ class GroupLayout:
 
     shard_group: dist.ProcessGroup | None
     replicate_group: dist.ProcessGroup | None
-    world_group: dist.ProcessGroup
+    world_group: dist.ProcessGroup  # every rank of this root (the data-parallel group)
 
     @property
     def hybrid_spans_world(self) -> bool:
@@ -85,9 +85,11 @@ def resolve_groups(
             f"process_group: {strategy.name} takes one ProcessGroup, got {type(process_group)}"
         )
     _check_member(group, "process_group")
+    # The root's world is its data-parallel group: a pipeline stage's root must not vote
+    # or broadcast with the ranks of other stages ([Note: ZeRO inside pipeline stages]).
     if strategy is ShardingStrategy.NO_SHARD:
-        return GroupLayout(None, group, world_group)
-    return GroupLayout(group, None, world_group)
+        return GroupLayout(None, group, group)
+    return GroupLayout(group, None, group)
 
 
 def _groups_without_default(
