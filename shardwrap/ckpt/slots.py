@@ -92,10 +92,10 @@ class ModelSlots:
     aliases: dict[str, str]  # tied name -> canonical name
     buffers: dict[str, torch.Tensor]  # persistent buffers by state-dict name
     world_comm: Communicator
-    # This rank is its data-parallel group's first: it saves what the group holds whole
-    # (buffers, parameters outside every unit, scalar optimizer state). World rank 0 but
-    # under pipeline parallelism, where each stage has its own ([Note: checkpoints of
-    # pipeline stages] in fragments.py).
+    # This rank is its data-parallel group's first (and coordinate 0 of its tensor-parallel
+    # meshes): it saves what the group holds whole (buffers, parameters outside every unit,
+    # scalar optimizer state). World rank 0 but under pipeline parallelism, where each stage
+    # has its own ([Note: checkpoints of pipeline stages] in fragments.py).
     leads: bool = True
 
     def by_name(self) -> dict[str, ParamSlot]:
@@ -120,11 +120,12 @@ def model_slots(model: nn.Module) -> ModelSlots:
         raise TypeError(f"model: expected a ShardedModule, got {type(model).__name__}")
     world_comm = world_communicator(model)
     runtime = registry.runtime_of(model.units[0]) if model.units else None
-    leads = (runtime.world_comm if runtime is not None else world_comm).rank == 0
     slots: list[ParamSlot] = []
     by_param: dict[int, ParamSlot] = {}
     handles = [u.handle for u in model.units if u.handle is not None]
     lead = _tp_lead(handles)
+    # The first data-parallel rank of its stage, and of its tensor-parallel replicas.
+    leads = lead and (runtime.world_comm if runtime is not None else world_comm).rank == 0
     for handle in handles:
         for slot in _handle_slots(handle, lead):
             slots.append(slot)
