@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shardwrap  # noqa: E402
 from shardwrap import checkpoint  # noqa: E402
 from shardwrap.base.gc_pause import gc_paused  # noqa: E402
+from shardwrap.ckpt import fragments  # noqa: E402
 from shardwrap.ckpt import slots as ckpt_slots  # noqa: E402
 from shardwrap.ckpt.format import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
@@ -156,8 +157,9 @@ def rank_records(layouts: list[FlatLayout], rank: int) -> list[tuple]:
     return records
 
 
-def simulated_report(records: list[tuple], rank: int) -> dict:
-    """A rank's report as ``save_checkpoint`` gathers it, with format 2's file checksums."""
+def simulated_report(records: list[tuple], rank: int, part: dict) -> dict:
+    """A rank's report as ``save_checkpoint`` gathers it, with format 2's file checksums;
+    ``part``: what it sends of its model's description (rank 0's, or its digest alone)."""
     size = 8 + HEADER_BYTES_PER_TENSOR * len(records)
     size += sum(4 * (end - start) for _, _, _, start, end, *_ in records)
     digests = [
@@ -166,7 +168,8 @@ def simulated_report(records: list[tuple], rank: int) -> dict:
     ]
     entry = FileEntry(size, digests[0], DEFAULT_CHUNK_BYTES, digests)
     name = shard_file_name(SAVE_ID, rank)
-    return {"error": None, "file": name, "file_entry": entry.to_json(), "records": records}
+    report = {"error": None, "file": name, "file_entry": entry.to_json(), "records": records}
+    return {**report, "fragment": part}
 
 
 def save_as(rank: int, world_size: int, folder: str, shape: LlamaShape = SHAPES["tiny"]):
@@ -198,8 +201,12 @@ def measure(shape: LlamaShape, world_size: int, format_1: bool) -> dict:
         layouts = unit_layouts(shape, world_size)
         expected = sorted(rank_records(layouts, 0), key=repr)
         assert sorted(own, key=repr) == expected, "the simulation departs from the real records"
-        reports = [simulated_report(own, 0)]
-        reports += [simulated_report(rank_records(layouts, r), r) for r in range(1, world_size)]
+        part = fragments.to_send(slots, fragments.fragment(slots, optimizer))
+        others = {"digest": part["digest"], "fragment": None}  # not leading a stage
+        reports = [simulated_report(own, 0, part)]
+        reports += [
+            simulated_report(rank_records(layouts, r), r, others) for r in range(1, world_size)
+        ]
         received = [len(pickle.dumps(r)) for r in reports]
         with tempfile.TemporaryDirectory() as root:
             start = time.perf_counter()

@@ -7,8 +7,10 @@ from .comm.checks import RankDisagreementError
 from .comm.groups import hybrid_process_groups
 from .comm.launch import init_distributed
 from .data.sampler import ResumableSampler
+from .deepspeed import pipe_module as pipe
 from .deepspeed import zero_api as zero
-from .deepspeed.engine import ShardedEngine, initialize
+from .deepspeed.door import initialize
+from .deepspeed.engine import ShardedEngine
 from .deepspeed.front_door import DeepSpeedConfig, add_config_arguments
 from .features.forward_methods import register_forward_method
 from .features.grad_scaler import ShardedGradScaler
@@ -54,10 +56,12 @@ __all__ = [
     "DiskOffload",
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "PipelineEngine",
     "ResumableSampler",
     "ShardedEngine",
     "ShardedGradScaler",
     "ShardedModule",
+    "ShardedPipelineStage",
     "ShardingStrategy",
     "add_config_arguments",
     "comm",
@@ -69,10 +73,28 @@ __all__ = [
     "is_installed",
     "load_checkpoint",
     "load_pretrained",
+    "pipe",
     "register_forward_method",
     "save_checkpoint",
     "uninstall",
     "zero",
 ]
 __version__ = "0.1.0"
+
+# Imported on first use: torch.distributed.pipelining loads numpy and more.
+_LAZY = {
+    "ShardedPipelineStage": ("features.pipeline_stage", "ShardedPipelineStage"),
+    "PipelineEngine": ("deepspeed.pipe_engine", "PipelineEngine"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardwrap' has no attribute {name!r}")
+    import importlib
+
+    module_name, attribute = _LAZY[name]
+    return getattr(importlib.import_module(f".{module_name}", __name__), attribute)
+
+
 version = __version__  # DeepSpeed scripts read deepspeed.version as well as __version__

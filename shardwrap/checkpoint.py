@@ -18,6 +18,7 @@ safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import defaultdict
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 
 from .base.gc_pause import gc_paused
 from .base.validate import check_bool
-from .ckpt import run_state
+from .ckpt import fragments, run_state
 from .ckpt.entries import SavedPiece, group_pieces
 from .ckpt.format import (
     INDEX_NAME,
@@ -46,10 +47,8 @@ from .ckpt.matching import check_entry, check_fits_model, match_names
 from .ckpt.optim_state import (
     SCALAR,
     SHARDED,
-    VALUE,
     build_load_dict,
     check_fits,
-    hyperparameters,
     optimizer_class_name,
     optimizer_slots,
     state_kind,
@@ -130,13 +129,15 @@ def _write_rank_file(
     root: str, save_id: str, slots: ModelSlots, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
     items, records = _rank_items(slots, optimizer)
+    # [Note: checkpoints of pipeline stages]; whole from each stage's lead, else a digest
+    part = fragments.to_send(slots, fragments.fragment(slots, optimizer))
     os.makedirs(root, exist_ok=True)
     if not items:
-        return {"file": None, "records": records}
+        return {"file": None, "records": records, "fragment": part}
     name = shard_file_name(save_id, slots.world_comm.rank)
     written = write_stream(os.path.join(root, name), items, {"format": "pt", "save_id": save_id})
     entry = FileEntry(written.size, written.sha256, written.chunk_bytes, written.chunk_sha256)
-    return {"file": name, "file_entry": entry.to_json(), "records": records}
+    return {"file": name, "file_entry": entry.to_json(), "records": records, "fragment": part}
 
 
 def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[tuple]]:
@@ -144,21 +145,22 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[tu
     ``(kind, name, state, start, end, dtype, step, origin)``; see :class:`SavedPiece`."""
     items: list[StreamItem] = []
     records: list[tuple] = []
-    is_rank0 = slots.world_comm.rank == 0
+    is_rank0 = slots.leads  # the first data-parallel rank of this rank's stage
 
-    def add(kind: str, name: str, state: str | None, value: torch.Tensor, slot=None) -> None:
-        key = f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}"
+    def add(kind, name, state, value: torch.Tensor, start=0, at="", pattern=(0, 0)) -> None:
+        key = (f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}") + at
         flat = value.detach().reshape(-1)
         items.append(StreamItem(key, flat.dtype, (flat.numel(),), lambda flat=flat: flat))
-        start = 0 if slot is None else slot.start
-        step, origin = _run_pattern(slot)
-        records.append(
-            (kind, name, state, start, start + flat.numel(), dtype_name(flat.dtype), step, origin)
-        )
+        end = start + flat.numel()
+        records.append((kind, name, state, start, end, dtype_name(flat.dtype), *pattern))
+
+    def add_slot(kind: str, slot: ParamSlot, state: str | None, value: torch.Tensor) -> None:
+        for at, piece, start in slot.saved_pieces(value):  # several for a TP block
+            add(kind, slot.fqn, state, piece, start, at, _run_pattern(slot))
 
     for slot in slots.slots:
         if slot.saves and slot.end > slot.start:
-            add("param", slot.fqn, None, slot.local, slot)
+            add_slot("param", slot, None, slot.local)
     if is_rank0:
         for name, buffer in slots.buffers.items():
             add("buffer", name, None, buffer)
@@ -167,16 +169,17 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[tu
             for state, value in optimizer.state.get(slot.local, {}).items():
                 kind = state_kind(slot, state, value)
                 if kind == SHARDED and slot.saves and slot.end > slot.start:
-                    add("optim", slot.fqn, state, value, slot)
+                    add_slot("optim", slot, state, value)
                 elif kind == SCALAR and is_rank0:
                     add("optim", slot.fqn, state, value)
     return items, records  # JSON values of the state go into the index from rank 0's own
 
 
-def _run_pattern(slot: ParamSlot | None) -> tuple[int, int]:
-    """``(step, origin)`` of a sharded slot's piece ([Note: piece runs]); ``(0, 0)`` else."""
-    handle = None if slot is None else slot.handle
-    if handle is None or handle.num_shards == 1:
+def _run_pattern(slot: ParamSlot) -> tuple[int, int]:
+    """``(step, origin)`` of a sharded slot's piece ([Note: piece runs]); ``(0, 0)`` for
+    the rest, tensor-parallel blocks included (their pieces are listed)."""
+    handle = slot.handle
+    if handle is None or handle.num_shards == 1 or slot.tp is not None:
         return 0, 0
     step = handle.layout.shard_numel
     return step, handle.shard_comm.rank * step - handle.layout.params[slot.index].offset
@@ -185,21 +188,24 @@ def _run_pattern(slot: ParamSlot | None) -> tuple[int, int]:
 def _commit_index(
     root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra, sampler
 ) -> dict[str, Any]:
-    """World rank 0, once every rank's file is durable: write the index, drop old files."""
+    """World rank 0, once every rank's file is durable: write the index, drop old files.
+
+    The index describes the union of every rank's model ([Note: checkpoints of pipeline
+    stages]).
+    """
     pieces = _collect_pieces(reports)
+    whole = fragments.merge(fragments.received([r["fragment"] for r in reports]))
     params = {
-        s.fqn: _entry(s.fqn, s.shape, dtype_name(s.dtype), pieces[("param", s.fqn, None)], save_id)
-        for s in slots.slots
+        name: _entry(name, tuple(shape), dtype, pieces[("param", name, None)], save_id)
+        for name, (shape, dtype) in whole["params"].items()
     }
     buffers = {
-        name: _entry(
-            name, tuple(b.shape), dtype_name(b.dtype), pieces[("buffer", name, None)], save_id
-        )
-        for name, b in slots.buffers.items()
+        name: _entry(name, tuple(shape), dtype, pieces[("buffer", name, None)], save_id)
+        for name, (shape, dtype) in whole["buffers"].items()
     }
     optim_state = param_groups = None
-    if optimizer is not None:
-        optim_state, param_groups = _optimizer_entries(slots, optimizer, pieces, save_id)
+    if whole["groups"] is not None:
+        optim_state, param_groups = _optimizer_entries(whole, pieces, save_id), whole["groups"]
     files = {
         r["file"]: FileEntry.from_json(r["file"], r["file_entry"]) for r in reports if r["file"]
     }
@@ -212,7 +218,7 @@ def _commit_index(
             run_state.META_KEY: run_state.index_record(sampler),
         },
         params=params,
-        aliases=dict(slots.aliases),
+        aliases=whole["aliases"],
         buffers=buffers,
         optim_state=optim_state,
         param_groups=param_groups,
@@ -252,27 +258,21 @@ def _entry(
     return entry
 
 
-def _optimizer_entries(slots: ModelSlots, optimizer, pieces: PieceMap, save_id: str):
-    state_entries: dict[str, dict[str, Any]] = {}
-    param_groups = []
-    for group_index, (group, group_slots) in enumerate(
-        zip(optimizer.param_groups, optimizer_slots(optimizer, slots), strict=True)
-    ):
-        param_groups.append(
-            {**hyperparameters(group, group_index), "params": [s.fqn for s in group_slots]}
-        )
-        for slot in group_slots:
-            for state, value in optimizer.state.get(slot.local, {}).items():
-                kind = state_kind(slot, state, value)
-                if kind == VALUE:
-                    entry: Any = {"value": value}
-                else:
-                    shape = slot.shape if kind == SHARDED else ()
-                    name = f"{slot.fqn}/{state}"
-                    refs = pieces[("optim", slot.fqn, state)]
-                    entry = _entry(name, shape, dtype_name(value.dtype), refs, save_id)
-                state_entries.setdefault(slot.fqn, {})[state] = entry
-    return state_entries, param_groups
+def _optimizer_entries(
+    whole: dict[str, Any], pieces: PieceMap, save_id: str
+) -> dict[str, dict[str, Any]]:
+    """Index entries of the optimizer state the merged fragments describe."""
+    entries: dict[str, dict[str, Any]] = {}
+    for fqn, states in whole["state"].items():
+        for state, described in states.items():
+            if "value" in described:
+                entry: Any = {"value": described["value"]}
+            else:
+                refs = pieces[("optim", fqn, state)]
+                shape = tuple(described["shape"])
+                entry = _entry(f"{fqn}/{state}", shape, described["dtype"], refs, save_id)
+            entries.setdefault(fqn, {})[state] = entry
+    return entries
 
 
 # ------------------------------------------------------------------------------ load
@@ -296,15 +296,18 @@ def load_checkpoint(
     slots = model_slots(model)
     comm = slots.world_comm
     result: dict[str, Any] = {}
+    # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
+    every = comm.all_gather_object(fragments.local_names(slots), purpose="checkpoint")
+    elsewhere = fragments.names_held_elsewhere(slots, every)
 
     def load() -> dict[str, Any]:
         run_state.check_sampler("sampler", sampler, "load_state_dict")
         check_bool("restore_rng", restore_rng)
         index = read_index(root)
-        matched = match_names(index, slots, strict)
+        matched = match_names(index, slots, strict, elsewhere)
         check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
         if optimizer is not None:  # refuse a misfit before the model changes
-            _check_optimizer(index, slots, optimizer)
+            _check_optimizer(index, slots, optimizer, elsewhere)
         result["run"] = None
         if restore_rng or sampler is not None:
             run, data = run_state.read_for_load(root, index.meta, comm.rank, comm.size, sampler)
@@ -314,7 +317,7 @@ def load_checkpoint(
         with CheckpointReader(root, index) as reader:
             _load_params(index, reader, slots, matched)
             if optimizer is not None:
-                _load_optimizer(index, reader, slots, optimizer)
+                _load_optimizer(index, reader, slots, optimizer, elsewhere)
         result["extra"] = index.extra
         return {}
 
@@ -331,8 +334,8 @@ def _load_params(
         for slot, saved_name in matched:
             entry = index.params[saved_name]
             if slot.end > slot.start:
-                data = reader.read_range(saved_name, entry, slot.start, slot.end)
-                slot.local_flat().copy_(data)
+                read = functools.partial(reader.read_range, saved_name, entry)
+                slot.local_flat().copy_(slot.read_local(read))
         for name, buffer in slots.buffers.items():
             entry = index.buffers.get(name)
             if entry is None:
@@ -340,15 +343,20 @@ def _load_params(
             buffer.copy_(reader.read_full(name, entry))
 
 
-def _saved_groups(index: CheckpointIndex) -> list[dict[str, Any]]:
+def _saved_groups(index: CheckpointIndex, elsewhere: set[str]) -> list[dict[str, Any]]:
+    """The saved param groups, less the parameters of other pipeline stages."""
     if index.optim_state is None or index.param_groups is None:
         raise CheckpointError("the checkpoint holds no optimizer state (saved without optimizer)")
-    return [{**g, "params": [index.resolve(n) for n in g["params"]]} for g in index.param_groups]
+    return [
+        {**g, "params": [index.resolve(n) for n in g["params"] if n not in elsewhere]}
+        for g in index.param_groups
+    ]
 
 
-def _check_optimizer(index: CheckpointIndex, slots: ModelSlots, optimizer) -> None:
+def _check_optimizer(index: CheckpointIndex, slots: ModelSlots, optimizer, elsewhere) -> None:
     saved_class = index.meta.get("optimizer_class")
-    check_fits(optimizer, optimizer_slots(optimizer, slots), saved_class, _saved_groups(index))
+    saved = _saved_groups(index, elsewhere)
+    check_fits(optimizer, optimizer_slots(optimizer, slots), saved_class, saved)
 
 
 def _load_optimizer(
@@ -356,8 +364,9 @@ def _load_optimizer(
     reader: CheckpointReader,
     slots: ModelSlots,
     optimizer: torch.optim.Optimizer,
+    elsewhere: set[str],
 ) -> None:
-    saved_groups = _saved_groups(index)
+    saved_groups = _saved_groups(index, elsewhere)
     saved_state = {index.resolve(k): v for k, v in index.optim_state.items()}
     names = {n: list(states) for n, states in saved_state.items()}
 
@@ -368,7 +377,7 @@ def _load_optimizer(
         if entry.shape == ():
             return reader.read_full(f"{slot.fqn}/{state}", entry)
         check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
-        flat = reader.read_range(f"{slot.fqn}/{state}", entry, slot.start, slot.end)
+        flat = slot.read_local(lambda s, e: reader.read_range(f"{slot.fqn}/{state}", entry, s, e))
         return flat.reshape(slot.local.shape)
 
     groups_slots = optimizer_slots(optimizer, slots)

@@ -58,6 +58,7 @@ from .core.comm_quant import UnitCommQuant
 from .core.grads import UnitGrads
 from .core.precision import HandlePrecision
 from .core.storage import HostStorage, ShardAllocator, StagedShard
+from .core.tensor_parallel import TPSpec, as_parameter, shard_dim_comms
 from .layout.flat import FlatLayout
 from .layout.partition import ParamSite
 from .options import ShardingStrategy
@@ -97,9 +98,15 @@ class FlatParamHandle:
         strategy: ShardingStrategy,
         precision: HandlePrecision | None = None,
         shard_allocator: ShardAllocator | None = None,
+        tp_specs: list[TPSpec | None] | None = None,
     ) -> None:
         _check_uniform(unit_name, layout, params)
         self.unit_name = unit_name
+        # DTensor parameters' layouts; ``params`` are then their local blocks, see
+        # [Note: ZeRO over tensor-parallel parameters] in core/tensor_parallel.py.
+        self.tp_specs = list(tp_specs) if tp_specs is not None else [None] * len(params)
+        # Per parameter: the TP mesh dims' communicators a gradient norm also sums over.
+        self.tp_norm_comms = shard_dim_comms(self.tp_specs, shard_comm.ledger)
         self.layout = layout
         self.strategy = strategy
         self.shard_comm = shard_comm
@@ -183,6 +190,7 @@ class FlatParamHandle:
             replicate_comm=self.replicate_comm,
             host_staging=self.host_staging,
             comm_label=self.comm_label,
+            tp_specs=self.tp_specs,
         )
 
     # ------------------------------------------------------------------ views
@@ -191,9 +199,14 @@ class FlatParamHandle:
         return self.layout.num_shards
 
     def _make_full_view(self, index: int) -> nn.Parameter:
+        return self.full_param_of(self.flat_full, index)
+
+    def full_param_of(self, flat: torch.Tensor, index: int) -> nn.Parameter:
+        """Parameter ``index`` of ``flat`` (laid out like ``flat_full``) as the module shows
+        it while computing: a ``DTensor`` for a tensor-parallel parameter."""
         info = self.layout.params[index]
-        view = self.flat_full[info.offset : info.end].view(info.shape)
-        return nn.Parameter(view, requires_grad=info.requires_grad)
+        view = flat[info.offset : info.end].view(info.shape)
+        return as_parameter(view, self.tp_specs[index], info.requires_grad)
 
     def _make_shard_view(self, index: int) -> nn.Parameter:
         view = self.shard_view(self.flat_shard, index)

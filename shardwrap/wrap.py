@@ -21,7 +21,6 @@ from .build.comms import root_comms
 from .build.fsdp_units import FSDP1Attributes, FSDPMeta, as_fsdp_unit
 from .build.nesting import absorb_nested, check_not_wrapped
 from .build.setup import (
-    check_bucket_bytes,
     check_unsupported,
     disk_store_for,
     resolve_ignored,
@@ -35,6 +34,8 @@ from .comm.groups import resolve_groups
 from .core.unit import Unit
 from .features import batch_weight, forward_methods, fsdp1_methods, grad_clip
 from .features import summon as full_params
+from .features.grad_sync import GradSyncControl
+from .features.tuning import ScheduleTuning
 from .layout.persistence import check_threshold
 from .offload.host import host_staging_for
 from .options import (
@@ -70,7 +71,9 @@ __all__ = [
 ]
 
 
-class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
+class ShardedModule(
+    FSDP1Attributes, GradSyncControl, ScheduleTuning, nn.Module, metaclass=FSDPMeta
+):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.
@@ -78,6 +81,9 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     parameters the optimizer receives are this rank's pieces of the originals.
 
     ``comm_quantization`` (keyword only): ZeRO++'s switches, a ``CommQuantization``.
+    ``device_mesh`` may be a slice of a bigger mesh (``mesh["dp"]``; ``mesh["replicate",
+    "shard"]`` for hybrid), and ``module`` may hold ``DTensor`` parameters from torch's tensor
+    parallelism: [Note: ZeRO over tensor-parallel parameters] in ``core/tensor_parallel.py``.
 
     ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
     fewer elements are kept whole and replicated on every rank, never all-gathered, their
@@ -218,39 +224,6 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
 
     summon_full_params = staticmethod(full_params.summon_full_params)
     register_forward_method = staticmethod(forward_methods.register_forward_method)
-
-    def set_reshard_after_forward(self, reshard: bool, *, root_only: bool = True) -> None:
-        """Whether units free their gathered parameters after forward.
-
-        ``False`` keeps them gathered until backward, as FSDP keeps its root: one all-gather
-        less per unit and step, at the cost of that unit's full size in memory between
-        forward and backward. ``root_only`` (default) applies it to the root's own unit.
-        Strategies that never free (ZeRO-1, NO_SHARD) are unaffected.
-        """
-        value = check_bool("reshard", reshard)
-        for unit in self._units[:1] if check_bool("root_only", root_only) else self._units:
-            unit.reshard_after_forward_override = value
-
-    def set_reduce_bucket_size(self, num_bytes: int) -> None:
-        """Fuse the gradient reductions of consecutive units up to ``num_bytes`` (0: off).
-
-        Fewer, larger collectives (like DDP's buckets and DeepSpeed's
-        ``reduce_bucket_size``), at the cost of holding up to ``num_bytes`` of flat
-        gradients until their bucket is reduced. See [Note: reduce buckets]. Without a
-        call, data-parallel units (``NO_SHARD``, persistent units) use 25 MiB buckets and
-        sharded units reduce alone ([Note: default reduce buckets]); a call sets the
-        budget of both.
-        """
-        self._runtime.schedule.reduce_bucket_bytes = check_bucket_bytes(num_bytes)
-
-    def set_all_gather_bucket_size(self, num_bytes: int) -> None:
-        """Fuse the all-gathers of consecutive units up to ``num_bytes`` gathered (0: off).
-
-        A unit that must be gathered takes the units that come next along, so fewer,
-        larger collectives move the same bytes, at the cost of holding up to
-        ``num_bytes`` of gathered parameters ahead of use. See [Note: all-gather buckets].
-        """
-        self._runtime.schedule.all_gather_bucket_bytes = check_bucket_bytes(num_bytes)
 
     # ------------------------------------------------------------------ debug
     def set_collective_checks(self, enabled: bool, *, timeout_s: float = 60.0) -> None:

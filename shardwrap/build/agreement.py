@@ -20,7 +20,6 @@ def plan_entries(
     root: nn.Module,
     unit_modules: list[nn.Module],
     owned: dict[int, list],
-    *,
     strategy: ShardingStrategy,
     mixed_precision: MixedPrecision | None,
     full_precision: list[nn.Module],

@@ -30,12 +30,21 @@ def persistent_comms(
     world for hybrid ones (whose shard and replicate groups tile the world).
     """
     if strategy.is_hybrid:
+        _check_spans_world(groups)
         data_parallel = groups.world_group
     elif groups.shard_group is not None:
         data_parallel = groups.shard_group
     else:  # NO_SHARD: already one shard, replicated over its group
         data_parallel = groups.replicate_group
     return UnitComms(Communicator(None, ledger), Communicator(data_parallel, ledger))
+
+
+def _check_spans_world(groups: GroupLayout) -> None:
+    if not groups.hybrid_spans_world:
+        raise ValueError(
+            "param_persistence_threshold: not supported with a hybrid device_mesh that is a "
+            "slice of a bigger mesh (its replicate x shard ranks are not the world)"
+        )
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..base.validate import check_int
+from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..core.storage import ShardAllocator
 from ..core.unit import Unit
@@ -164,15 +166,13 @@ def shard_root(
     records = collect_params(module, ignored, excluded)
     if not deferred:
         check_one_device(records)
+    if (deferred or sync_module_states) and any(isinstance(r.param, DTensor) for r in records):
+        raise ValueError(
+            "sync_module_states / meta-device initialisation: not supported for DTensor "
+            "(tensor-parallel) parameters; initialise them before parallelize_module"
+        )
     owned = assign_params(module, unit_modules, records)
-    entries = plan_entries(
-        module,
-        unit_modules,
-        owned,
-        strategy=strategy,
-        mixed_precision=mixed_precision,
-        full_precision=full_precision,
-    )
+    entries = plan_entries(module, unit_modules, owned, strategy, mixed_precision, full_precision)
     options += f", sync_module_states={sync_module_states}, persistence threshold {threshold}"
     check_plan(comms, strategy, entries, options)
     del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
@@ -202,8 +202,13 @@ def shard_root(
     return new_units, full_precision
 
 
-def disk_store_for(cpu_offload: object, world_rank: int) -> DiskStore | None:
-    """``DiskOffload``'s store of shards and Adam state in mapped files, else None."""
+def disk_store_for(cpu_offload: object, group_rank: int) -> DiskStore | None:
+    """``DiskOffload``'s store of shards and Adam state in mapped files, else None.
+
+    Files are named by the global rank (``group_rank``, the model's own group's, without a
+    default group): a pipeline stage's group holds only its data-parallel ranks.
+    """
     if not isinstance(cpu_offload, DiskOffload):
         return None
-    return DiskStore(cpu_offload.path, world_rank, cpu_offload.sub_group_size)
+    rank = collectives.world_rank() if collectives.is_initialized() else group_rank
+    return DiskStore(cpu_offload.path, rank, cpu_offload.sub_group_size)

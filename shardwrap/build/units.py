@@ -8,6 +8,7 @@ from torch import nn
 from ..comm.collectives import Communicator
 from ..core.precision import handle_precision
 from ..core.storage import ShardAllocator
+from ..core.tensor_parallel import local_tensor, tp_spec_of
 from ..core.unit import Unit
 from ..flat_param import FlatParamHandle
 from ..layout.flat import FlatLayout
@@ -29,14 +30,22 @@ def build_unit(
     """Flatten ``records`` into one handle (none if empty) and make the unit."""
     handle = None
     if records:
+        # DTensor parameters are flattened as their local blocks: [Note: ZeRO over
+        # tensor-parallel parameters] in core/tensor_parallel.py.
+        specs = [tp_spec_of(r.fqn, r.param) for r in records]
+        params = [local_tensor(r.param) for r in records]
         layout = FlatLayout.build(
-            [(r.fqn, tuple(r.param.shape), r.param.requires_grad) for r in records],
+            [
+                (r.fqn, tuple(p.shape), r.param.requires_grad)
+                for r, p in zip(records, params, strict=True)
+            ],
             shard_comm.size,
         )
         handle = FlatParamHandle(
             unit_name=name,
             layout=layout,
-            params=[r.param for r in records],
+            params=params,
+            tp_specs=specs,
             sites=[r.sites for r in records],
             shard_comm=shard_comm,
             replicate_comm=replicate_comm,

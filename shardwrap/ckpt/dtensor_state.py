@@ -132,8 +132,19 @@ def _unit_slots(slots: ModelSlots) -> tuple[list[FlatParamHandle], dict[int, lis
 
 
 # ------------------------------------------------------------------------------ saving
+def _refuse_tensor_parallel(slots: ModelSlots) -> None:
+    tp = [s.fqn for s in slots.slots if s.tp is not None]
+    if tp:
+        raise ValueError(
+            f"state_dict_type: SHARDED_STATE_DICT is not supported for tensor-parallel "
+            f"(DTensor) parameters such as {tp[0]!r}; use FULL_STATE_DICT or "
+            "shardwrap.save_checkpoint"
+        )
+
+
 def sharded_params(slots: ModelSlots) -> dict[str, torch.Tensor]:
     """Every parameter as a ``DTensor`` chunk (or a plain whole tensor), by canonical name."""
+    _refuse_tensor_parallel(slots)
     result: dict[str, torch.Tensor] = {}
     handles, _ = _unit_slots(slots)
     for handle in handles:
@@ -156,6 +167,7 @@ def sharded_optim_state(
     slots: ModelSlots, optim: torch.optim.Optimizer
 ) -> dict[tuple[str, str], torch.Tensor]:
     """Every parameter-shaped optimizer state as a ``DTensor`` chunk (or a whole tensor)."""
+    _refuse_tensor_parallel(slots)
     result: dict[tuple[str, str], torch.Tensor] = {}
     handles, by_handle = _unit_slots(slots)
     for slot in slots.slots:
@@ -216,6 +228,7 @@ def local_pieces(
     for slot, key, value in items:
         if (
             isinstance(value, DTensor)
+            and slot.tp is None
             and _is_chunked(slot.handle, slot.shape)
             and _is_ours(value, slot.handle, slots.world_comm)
         ):
@@ -224,8 +237,7 @@ def local_pieces(
             continue
         whole = value.full_tensor() if isinstance(value, DTensor) else _whole_tensor(key, value)
         _check_shape(key, tuple(whole.shape), slot.shape)
-        piece = whole.reshape(-1)[slot.start : slot.end]
-        result[(slot.fqn, key)] = piece.reshape(slot.local.shape)
+        result[(slot.fqn, key)] = slot.piece_of_whole(whole).reshape(slot.local.shape)
     for entries in chunked.values():
         result.update(_gathered_pieces(entries))
     return result

@@ -10,8 +10,14 @@ from .format import CheckpointError, CheckpointIndex, TensorEntry, dtype_from_na
 from .slots import ModelSlots
 
 
-def match_names(index: CheckpointIndex, slots: ModelSlots, strict: bool):
-    """Pair each slot with its saved name; report missing/unexpected names."""
+def match_names(
+    index: CheckpointIndex, slots: ModelSlots, strict: bool, elsewhere: set[str] = frozenset()
+):
+    """Pair each slot with its saved name; report missing/unexpected names.
+
+    ``elsewhere``: names other pipeline stages hold, expected in the checkpoint though not
+    in this rank's model ([Note: checkpoints of pipeline stages] in ckpt/fragments.py).
+    """
     matched, missing = [], []
     model_aliases: dict[str, list[str]] = {}
     for alias, canonical in slots.aliases.items():
@@ -24,9 +30,9 @@ def match_names(index: CheckpointIndex, slots: ModelSlots, strict: bool):
         else:
             matched.append((slot, found))
     used = {name for _, name in matched}
-    unexpected = sorted(set(index.params) - used)
+    unexpected = sorted(set(index.params) - used - elsewhere)
     missing += [n for n in slots.buffers if n not in index.buffers]
-    unexpected += sorted(set(index.buffers) - set(slots.buffers))
+    unexpected += sorted(set(index.buffers) - set(slots.buffers) - elsewhere)
     if slots.slots and (not matched or (strict and 2 * len(matched) < len(slots.slots))):
         raise CheckpointError(
             f"the checkpoint holds another model: only {len(matched)} of this model's "

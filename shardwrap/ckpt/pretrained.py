@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from .consolidate import HF_INDEX_FILE, HF_SINGLE_FILE
 from .format import CheckpointError, member_path
+from .fragments import local_names, names_held_elsewhere
 from .outcome import guarded, settle
 from .slots import ParamSlot, model_slots
 
@@ -52,11 +53,14 @@ def load_pretrained(model: Any, path: str | os.PathLike, *, strict: bool = True)
     """
     root = os.fspath(path)
     slots = model_slots(model)
-    report = guarded(lambda: _load(root, slots, strict))
+    # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
+    every = slots.world_comm.all_gather_object(local_names(slots), purpose="load_pretrained")
+    elsewhere = names_held_elsewhere(slots, every)
+    report = guarded(lambda: _load(root, slots, strict, elsewhere))
     settle(slots.world_comm, "load_pretrained", root, report, purpose="load_pretrained")
 
 
-def _load(root: str, slots, strict: bool) -> dict[str, Any]:
+def _load(root: str, slots, strict: bool, elsewhere: set[str]) -> dict[str, Any]:
     files = weight_files(root)
     names_of = {s.fqn: [s.fqn] for s in slots.slots}
     for alias, canonical in slots.aliases.items():
@@ -64,7 +68,7 @@ def _load(root: str, slots, strict: bool) -> dict[str, Any]:
     missing = [s.fqn for s in slots.slots if not any(n in files for n in names_of[s.fqn])]
     missing += [n for n in slots.buffers if n not in files]
     known = {n for names in names_of.values() for n in names} | set(slots.buffers)
-    unexpected = sorted(set(files) - known)
+    unexpected = sorted(set(files) - known - elsewhere)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{root} does not fit the model: missing {missing[:10]}, unexpected "
@@ -91,15 +95,21 @@ def _checked(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.T
 
 
 def _read_range(handle, name: str, slot: ParamSlot) -> torch.Tensor:
-    """Elements ``[slot.start, slot.end)`` of ``name`` flattened, reading whole rows only."""
+    """This rank's elements of ``name`` (``slot.local_flat()``'s), reading whole rows only."""
     view = handle.get_slice(name)
     shape = tuple(view.get_shape())
     if shape != slot.shape:
         raise CheckpointError(f"parameter {name!r}: file shape {shape}, model shape {slot.shape}")
     if len(shape) == 0:
         return handle.get_tensor(name).reshape(-1).to(slot.dtype)
+    # A tensor-parallel block is several ranges of the global tensor; others are one.
+    return slot.read_local(lambda s, e: _global_range(view, shape, s, e)).to(slot.dtype)
+
+
+def _global_range(view, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a stored tensor flattened."""
     row = math.prod(shape[1:])
-    first_row, last_row = slot.start // row, -(-slot.end // row)
+    first_row, last_row = start // row, -(-end // row)
     rows = view[first_row:last_row].reshape(-1)
-    begin = slot.start - first_row * row
-    return rows[begin : begin + slot.end - slot.start].to(slot.dtype)
+    begin = start - first_row * row
+    return rows[begin : begin + end - start]

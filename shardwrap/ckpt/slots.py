@@ -4,20 +4,27 @@ Checkpoints, state dicts and pretrained loading all need the same map: for every
 parameter (by its name in the unwrapped model), the element range of its flattened form
 this rank holds, the ``nn.Parameter`` the optimizer sees for it, and whether this rank is
 the one that saves that range (hybrid and ``NO_SHARD`` replicas hold identical copies; the
-first replica saves). Parameters outside every unit (ignored modules) are held whole by
-every rank and saved by world rank 0.
+first replica saves). A tensor-parallel parameter's range indexes its local block, which
+maps onto runs of the global tensor (``layout/blocks.py``); its TP replicas (a
+``Replicate`` placement) save from mesh coordinate 0. Parameters outside every unit
+(ignored modules) are held whole by every rank and saved by world rank 0.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..comm import collectives
 from ..comm.collectives import Communicator
+from ..core.tensor_parallel import TPSpec
 from ..flat_param import FlatParamHandle
+from ..layout.blocks import block_runs
+from ..runtime import registry
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,10 +40,43 @@ class ParamSlot:
     saves: bool  # this rank writes this range to a checkpoint
     handle: FlatParamHandle | None  # None for parameters outside every unit
     index: int  # position in ``handle.layout.params`` (-1 without a handle)
+    # A tensor-parallel parameter: ``[start, end)`` then index its local block flattened,
+    # not the global tensor; see :meth:`global_runs`.
+    tp: TPSpec | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def global_runs(self) -> list[tuple[int, int, int]]:
+        """``local_flat()`` as runs ``(lo, hi, global_start)``: its elements ``[lo, hi)``
+        are the global tensor's flattened elements from ``global_start`` on."""
+        if self.tp is None:
+            return [(0, self.end - self.start, self.start)] if self.end > self.start else []
+        return [
+            (lo - self.start, hi - self.start, g)
+            for lo, hi, g in block_runs(self.tp.block, self.start, self.end)
+        ]
+
+    def saved_pieces(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor, int]]:
+        """``value`` (shaped like ``local``) as the checkpoint's pieces: ``(key suffix, 1-D
+        piece, global start)``; a TP block's are its runs, keyed ``@<global start>``."""
+        flat = value.detach().reshape(-1)
+        if self.tp is None:
+            return [("", flat, self.start)]
+        return [(f"@{g}", flat[lo:hi], g) for lo, hi, g in self.global_runs()]
+
+    def read_local(self, read: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """This rank's ``end - start`` elements, from ``read(global_start, global_end)``."""
+        if self.tp is None:
+            return read(self.start, self.end)
+        parts = [read(g, g + hi - lo) for lo, hi, g in self.global_runs()] or [read(0, 0)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def piece_of_whole(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece (1-D, ``end - start``) of ``whole``, a global-shape tensor."""
+        local = whole if self.tp is None else self.tp.local_of(whole)
+        return local.reshape(-1)[self.start : self.end]
 
     def local_flat(self) -> torch.Tensor:
         """``local`` as a 1-D view of its ``end - start`` elements."""
@@ -52,13 +92,25 @@ class ModelSlots:
     aliases: dict[str, str]  # tied name -> canonical name
     buffers: dict[str, torch.Tensor]  # persistent buffers by state-dict name
     world_comm: Communicator
+    # This rank is its data-parallel group's first (and coordinate 0 of its tensor-parallel
+    # meshes): it saves what the group holds whole (buffers, parameters outside every unit,
+    # scalar optimizer state). World rank 0 but under pipeline parallelism, where each stage
+    # has its own ([Note: checkpoints of pipeline stages] in fragments.py).
+    leads: bool = True
 
     def by_name(self) -> dict[str, ParamSlot]:
         return {s.fqn: s for s in self.slots}
 
 
 def world_communicator(model: nn.Module) -> Communicator:
-    """Over the model's world: the default group, or its own group when there is none."""
+    """Over every rank: the default group, or the model's own group when there is none.
+
+    Not the model's own group when there is a default one: a pipeline stage's is its data-
+    parallel group, and a checkpoint spans every stage ([Note: checkpoints of pipeline
+    stages] in fragments.py).
+    """
+    if collectives.is_initialized():
+        return Communicator(collectives.default_group(), model.comm_ledger)
     return Communicator(model._runtime.world_comm.group, model.comm_ledger)
 
 
@@ -67,19 +119,23 @@ def model_slots(model: nn.Module) -> ModelSlots:
     if not hasattr(model, "units") or not hasattr(model, "comm_ledger"):
         raise TypeError(f"model: expected a ShardedModule, got {type(model).__name__}")
     world_comm = world_communicator(model)
+    runtime = registry.runtime_of(model.units[0]) if model.units else None
     slots: list[ParamSlot] = []
     by_param: dict[int, ParamSlot] = {}
-    for unit in model.units:
-        if unit.handle is not None:
-            for slot in _handle_slots(unit.handle):
-                slots.append(slot)
-                by_param[id(slot.local)] = slot
-                by_param[id(slot.handle.full_params[slot.index])] = slot
+    handles = [u.handle for u in model.units if u.handle is not None]
+    lead = _tp_lead(handles)
+    # The first data-parallel rank of its stage, and of its tensor-parallel replicas.
+    leads = lead and (runtime.world_comm if runtime is not None else world_comm).rank == 0
+    for handle in handles:
+        for slot in _handle_slots(handle, lead):
+            slots.append(slot)
+            by_param[id(slot.local)] = slot
+            by_param[id(slot.handle.full_params[slot.index])] = slot
     aliases: dict[str, str] = {}
     for name, param in model.module.named_parameters(remove_duplicate=False):
         slot = by_param.get(id(param))
         if slot is None:
-            slot = _plain_slot(name, param, world_comm.rank == 0)
+            slot = _plain_slot(name, param, leads)
             slots.append(slot)
             by_param[id(param)] = slot
         elif name != slot.fqn:
@@ -89,10 +145,17 @@ def model_slots(model: nn.Module) -> ModelSlots:
         for name, value in model.module.state_dict(keep_vars=True).items()
         if id(value) not in by_param
     }
-    return ModelSlots(slots, by_param, aliases, buffers, world_comm)
+    return ModelSlots(slots, by_param, aliases, buffers, world_comm, leads)
 
 
-def _handle_slots(handle: FlatParamHandle) -> list[ParamSlot]:
+def _tp_lead(handles: list[FlatParamHandle]) -> bool:
+    """Whether this rank is coordinate 0 on every tensor-parallel mesh of the model: of
+    the TP ranks that hold a plain (replicated) parameter alike, the one that saves it."""
+    meshes = {id(s.mesh): s.mesh for h in handles for s in h.tp_specs if s is not None}
+    return all(c == 0 for mesh in meshes.values() for c in mesh.get_coordinate())
+
+
+def _handle_slots(handle: FlatParamHandle, tp_lead: bool) -> list[ParamSlot]:
     saves = handle.replicate_comm is None or handle.replicate_comm.rank == 0
     pieces = handle.pieces
     slots = []
@@ -100,17 +163,19 @@ def _handle_slots(handle: FlatParamHandle) -> list[ParamSlot]:
         start, end = (
             (0, info.numel) if handle.num_shards == 1 else (piece.param_start, piece.param_end)
         )
+        tp = handle.tp_specs[index]
         slots.append(
             ParamSlot(
                 fqn=info.fqn,
-                shape=info.shape,
+                shape=info.shape if tp is None else tp.block.global_shape,
                 dtype=handle.dtype,
                 local=handle.shard_params[index],
                 start=start,
                 end=end,
-                saves=saves,
+                saves=saves and (tp_lead if tp is None else tp.is_first_replica),
                 handle=handle,
                 index=index,
+                tp=tp,
             )
         )
     return slots

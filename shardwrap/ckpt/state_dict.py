@@ -145,12 +145,29 @@ def _full_params(slots: ModelSlots, *, keep: bool) -> dict[str, torch.Tensor]:
     result: dict[str, torch.Tensor] = {}
     for handle in _handles(slots):
         flat_full = gather_flat(handle, handle.flat_shard.detach(), "state_dict")
-        for info in handle.layout.params if keep else ():
-            result[info.fqn] = flat_full[info.offset : info.end].clone().view(info.shape)
+        result.update(_whole_params(handle, flat_full, keep, "state_dict"))
         del flat_full  # one unit at a time
     for slot in slots.slots:
         if slot.handle is None:
             result[slot.fqn] = slot.local.detach().clone()
+    return result
+
+
+def _whole_params(
+    handle: FlatParamHandle, flat_full: torch.Tensor, keep: bool, purpose: str
+) -> dict[str, torch.Tensor]:
+    """Each parameter of ``flat_full`` (``handle``'s layout) as a whole global tensor;
+    tensor-parallel blocks are gathered over their mesh, by every rank (``keep=False``:
+    only take part)."""
+    result = {}
+    for info, spec in zip(handle.layout.params, handle.tp_specs, strict=True):
+        if spec is None and not keep:
+            continue
+        value = flat_full[info.offset : info.end].view(info.shape)
+        if spec is not None:
+            value = spec.global_of(value, handle.shard_comm.ledger, purpose)
+        if keep:
+            result[info.fqn] = value.clone()
     return result
 
 
@@ -270,9 +287,9 @@ def _gather_unit_state(handle: FlatParamHandle, unit_slots: list[ParamSlot], opt
     result = {}
     for name, local, holders in unit_state_shards(handle, unit_slots, optim):
         flat_full = gather_flat(handle, local, "optim_state_dict")
+        whole = _whole_params(handle, flat_full, True, "optim_state_dict")
         for slot in holders:
-            info = handle.layout.params[slot.index]
-            result[(slot.fqn, name)] = flat_full[info.offset : info.end].clone().view(info.shape)
+            result[(slot.fqn, name)] = whole[slot.fqn]
     return result
 
 

@@ -22,7 +22,13 @@ class GroupLayout:
 
     shard_group: dist.ProcessGroup | None
     replicate_group: dist.ProcessGroup | None
-    world_group: dist.ProcessGroup
+    world_group: dist.ProcessGroup  # every rank of this root (the data-parallel group)
+
+    @property
+    def hybrid_spans_world(self) -> bool:
+        """Whether the shard and replicate groups tile the whole world."""
+        sizes = [dist.get_world_size(g) for g in (self.shard_group, self.replicate_group)]
+        return sizes[0] * sizes[1] == dist.get_world_size(self.world_group)
 
 
 def hybrid_process_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -60,7 +66,9 @@ def resolve_groups(
     world_group = collectives.default_group()
     if strategy.is_hybrid:
         shard_group, replicate_group = _hybrid_groups(process_group, device_mesh)
-        _check_tiles(shard_group, replicate_group)
+        # A 2-D mesh may be a slice of a bigger one (data parallel inside tensor or pipeline
+        # parallelism): it tiles its own ranks, not necessarily the world.
+        _check_tiles(shard_group, replicate_group, whole_world=device_mesh is None)
         return GroupLayout(shard_group, replicate_group, world_group)
     if device_mesh is not None:
         if getattr(device_mesh, "ndim", 1) != 1:
@@ -77,9 +85,11 @@ def resolve_groups(
             f"process_group: {strategy.name} takes one ProcessGroup, got {type(process_group)}"
         )
     _check_member(group, "process_group")
+    # The root's world is its data-parallel group: a pipeline stage's root must not vote
+    # or broadcast with the ranks of other stages ([Note: ZeRO inside pipeline stages]).
     if strategy is ShardingStrategy.NO_SHARD:
-        return GroupLayout(None, group, world_group)
-    return GroupLayout(group, None, world_group)
+        return GroupLayout(None, group, group)
+    return GroupLayout(group, None, group)
 
 
 def _groups_without_default(
@@ -124,7 +134,9 @@ def _check_member(group: dist.ProcessGroup, argument: str) -> None:
         raise ValueError(f"{argument}: rank {collectives.world_rank()} is not a member")
 
 
-def _check_tiles(shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> None:
+def _check_tiles(
+    shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup, *, whole_world: bool
+) -> None:
     _check_member(shard_group, "process_group[0] (shard group)")
     _check_member(replicate_group, "process_group[1] (replicate group)")
     shard_size = dist.get_world_size(shard_group)
@@ -132,9 +144,8 @@ def _check_tiles(shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGr
     world = collectives.world_size()
     shard_ranks = set(collectives.group_ranks(shard_group))
     replicate_ranks = set(collectives.group_ranks(replicate_group))
-    if shard_size * replicate_size != world or shard_ranks & replicate_ranks != {
-        collectives.world_rank()
-    }:
+    spans = shard_size * replicate_size == world or not whole_world
+    if not spans or shard_ranks & replicate_ranks != {collectives.world_rank()}:
         raise ValueError(
             f"process_group: shard group {sorted(shard_ranks)} x replicate group "
             f"{sorted(replicate_ranks)} does not tile the world of {world} ranks "

@@ -16,20 +16,28 @@ from torch import nn
 
 from ..layout.grad_slots import GradSlots
 
+# (parameter index, its gradient) -> the tensor to flatten for it.
+LocalGrad = Callable[[int, torch.Tensor], torch.Tensor]
+
 
 def flatten_local_grads(
     flat_grad: torch.Tensor,
     slots: GradSlots,
     full_params: list[nn.Parameter],
     present: list[bool],
+    local_grad: LocalGrad | None = None,
 ) -> None:
     """Move each full view's gradient into its segments of ``flat_grad`` (1D,
     ``slots.numel``).
 
     Every element is written once: a gradient, or zeros (no gradient, a gap). The views'
     gradients are cleared, and ``present[i]`` set for each parameter that had one.
+    ``local_grad(i, grad)``: the tensor to flatten for parameter ``i``'s gradient (a
+    ``DTensor`` gradient's local block); the gradient itself when None.
     """
-    if slots.end_to_end is not None and _flatten_end_to_end(flat_grad, slots, full_params, present):
+    if slots.end_to_end is not None and _flatten_end_to_end(
+        flat_grad, slots, full_params, present, local_grad
+    ):
         return
     for start, end in slots.gaps:
         flat_grad[start:end].zero_()
@@ -39,7 +47,7 @@ def flatten_local_grads(
             for segment in segments:
                 flat_grad[segment.start : segment.end].zero_()
             continue
-        flat = grad.reshape(-1)
+        flat = (grad if local_grad is None else local_grad(index, grad)).reshape(-1)
         for segment in segments:
             flat_grad[segment.start : segment.end].copy_(
                 flat[segment.param_start : segment.param_end]
@@ -49,7 +57,11 @@ def flatten_local_grads(
 
 
 def _flatten_end_to_end(
-    flat_grad: torch.Tensor, slots: GradSlots, full_params: list[nn.Parameter], present: list[bool]
+    flat_grad: torch.Tensor,
+    slots: GradSlots,
+    full_params: list[nn.Parameter],
+    present: list[bool],
+    local_grad: LocalGrad | None = None,
 ) -> bool:
     # One concatenation instead of a slice and a copy per parameter, whose Python cost is
     # most of a small unit's flattening; only when every trainable parameter has a gradient.
@@ -60,6 +72,8 @@ def _flatten_end_to_end(
         return False
     # The gaps are all past the gradients: these cover the rest of the buffer.
     filled = slots.numel - sum(end - start for start, end in slots.gaps)
+    if local_grad is not None:
+        grads = [local_grad(i, g) for i, g in zip(indices, grads, strict=True)]
     torch.cat([g.reshape(-1) for g in grads], out=flat_grad[:filled])
     for start, end in slots.gaps:
         flat_grad[start:end].zero_()

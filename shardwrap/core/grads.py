@@ -23,6 +23,7 @@ from ..layout.grad_slots import GradSlots, chunk_split
 from .grad_buffers import ReusableGradBuffer, ScratchPool
 from .grad_transfer import assign_reduced, flatten_local_grads
 from .storage import HostStorage
+from .tensor_parallel import TPSpec
 
 
 @dataclass
@@ -52,6 +53,7 @@ class UnitGrads:
         replicate_comm: Communicator | None,
         host_staging: HostStorage | None,
         comm_label: str,
+        tp_specs: list[TPSpec | None] | None = None,
     ) -> None:
         self.layout = layout  # the handle's; replaced by rename()
         self.full_params = full_params  # the handle's full views (local gradients land here)
@@ -64,6 +66,10 @@ class UnitGrads:
         self.replicate_comm = replicate_comm
         self.host_staging = host_staging  # CPUOffload: reduced gradients go to the host
         self.comm_label = comm_label  # the unit's name in the collectives' records
+        # DTensor parameters: their gradients are flattened as local blocks
+        # ([Note: ZeRO over tensor-parallel parameters] in core/tensor_parallel.py).
+        self.tp_specs = tp_specs if tp_specs is not None else [None] * len(full_params)
+        self._local_grad = self._tp_local_grad if any(self.tp_specs) else None
         # Where local gradients go before the reduction: [Note: packed gradients]
         self.grad_slots = GradSlots.for_layout(self.layout)
         # Each parameter's [start, end) in this rank's reduced chunk.
@@ -185,8 +191,14 @@ class UnitGrads:
             flat_grad = torch.empty(
                 self.grad_slots.numel, dtype=self.compute_dtype, device=self.compute_device
             )
-        flatten_local_grads(flat_grad, self.grad_slots, self.full_params, self.local_grad_present)
+        flatten_local_grads(
+            flat_grad, self.grad_slots, self.full_params, self.local_grad_present, self._local_grad
+        )
         return flat_grad
+
+    def _tp_local_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        spec = self.tp_specs[index]
+        return grad if spec is None else spec.local_grad(grad, self.shard_comm.ledger)
 
     def assign_grads(self, global_present: list[bool]) -> None:
         """Move the pending reduced gradient onto the shard views that got one anywhere."""

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint
+from ..ckpt.slots import world_communicator
 from ..comm import collectives
 
 LATEST_FILE = "latest"
@@ -65,7 +66,8 @@ def save(
     if save_latest and collectives.world_rank() == 0:
         _write_latest(os.fspath(save_dir), tag)
     # No rank returns (and perhaps reads `latest`) before rank 0 has written it.
-    engine.module._runtime.world_comm.all_reduce(torch.zeros(1), purpose="barrier").wait()
+    # Every rank: under pipeline parallelism the module's own group is its stage's only.
+    world_communicator(engine.module).all_reduce(torch.zeros(1), purpose="barrier").wait()
     return path
 
 

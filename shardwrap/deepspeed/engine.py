@@ -72,6 +72,11 @@ def initialize(
         distributed_port=distributed_port, dist_init_required=dist_init_required
     )
     parsed = DeepSpeedConfig.load(config)
+    if parsed.pipeline is not None:
+        raise ValueError(
+            "pipeline: give the model as a shardwrap.pipe.PipelineModule (layers, num_stages, "
+            f"loss_fn), not a {type(model).__name__}"
+        )
     batch = parsed.batch_sizes(collectives.world_size())
     # The originals stay referenced until the optimizer is attached: wrapping frees them, and
     # a shard view could then reuse a freed original's id and be taken for that parameter.

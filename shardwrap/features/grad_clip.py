@@ -7,6 +7,11 @@ their partial sums add up to the full norm; replica groups (NO_SHARD, hybrid) ho
 of the same pieces, so summing across them would count each piece several times. The
 partial norms are therefore combined over each unit's shard group only. Parameters the
 wrapper does not manage (ignored modules) are replicated and added locally.
+
+Under tensor parallelism a shard holds a piece of one TP rank's block: blocks of a
+TP-sharded parameter differ across the TP mesh dims that shard it, so their partial sums
+are also combined over those dims; replicated parameters (plain ones, ``Replicate``
+DTensors) are alike on every TP rank and counted once, from the data-parallel sum alone.
 """
 
 from __future__ import annotations
@@ -58,22 +63,27 @@ def sharded_grad_norm(
     """
     runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    by_comm: dict[int, tuple] = {}
+    by_comms: dict[tuple[int, ...], tuple] = {}
     managed: set[int] = set()
     all_grads: list[torch.Tensor] = []
     for unit in runtime.units:
         if unit.handle is None:
             continue
-        comm = unit.handle.shard_comm
-        grads = [p.grad for p in unit.handle.shard_params if p.grad is not None]
-        managed.update(id(p) for p in unit.handle.shard_params)
-        all_grads.extend(grads)
-        entry = by_comm.setdefault(id(comm), (comm, []))
-        entry[1].extend(grads)
+        handle = unit.handle
+        managed.update(id(p) for p in handle.shard_params)
+        for param, tp_comms in zip(handle.shard_params, handle.tp_norm_comms, strict=True):
+            if param.grad is None:
+                continue
+            # [Note: which ranks a norm is summed over]; TP-sharded blocks over TP too.
+            comms = (handle.shard_comm, *tp_comms)
+            entry = by_comms.setdefault(tuple(id(c) for c in comms), (comms, []))
+            entry[1].append(param.grad)
+            all_grads.append(param.grad)
     total = torch.zeros((), dtype=torch.float64)
-    for comm, grads in by_comm.values():
+    for comms, grads in by_comms.values():
         partial = _partial(grads, norm_type)
-        comm.all_reduce(partial, purpose="grad_norm", op=op).wait()
+        for comm in comms:
+            comm.all_reduce(partial, purpose="grad_norm", op=op).wait()
         total = torch.maximum(total, partial) if norm_type == math.inf else total + partial
     unmanaged = [p.grad for p in parameters if id(p) not in managed and p.grad is not None]
     all_grads.extend(unmanaged)

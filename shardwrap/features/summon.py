@@ -129,10 +129,9 @@ class _Summon:
             source = handle.flat_shard.detach().to(handle.compute_device)  # CPUOffload: host
             handle.shard_comm.all_gather(flat, source, purpose="summon").wait()
         self.flat_full = flat.cpu() if self.offload else flat
-        shown = [
-            nn.Parameter(self.flat_full[i.offset : i.end].view(i.shape), i.requires_grad)
-            for i in handle.layout.params
-        ]
+        # Tensor-parallel parameters show as DTensors (global shape, this rank's block).
+        count = len(handle.layout.params)
+        shown = [handle.full_param_of(self.flat_full, index) for index in range(count)]
         if self.with_grads:
             _attach_full_grads(handle, shown)
         if self.showing:
@@ -156,8 +155,9 @@ class _Summon:
 def _attach_full_grads(handle: FlatParamHandle, shown: list[nn.Parameter]) -> None:
     """Give ``shown`` copies of the full reduced gradients (edits are not written back)."""
     if handle.num_shards == 1:
-        for param, shard in zip(shown, handle.shard_params, strict=True):
-            param.grad = None if shard.grad is None else shard.grad.detach().clone()
+        for index, (param, shard) in enumerate(zip(shown, handle.shard_params, strict=True)):
+            if shard.grad is not None:
+                param.grad = _as_shown(handle, index, shard.grad.detach().clone())
         return
     grad_shard = torch.zeros_like(handle.flat_shard)
     pieces = handle.pieces
@@ -169,6 +169,15 @@ def _attach_full_grads(handle: FlatParamHandle, shown: list[nn.Parameter]) -> No
     )
     grad_shard = grad_shard.to(handle.compute_device)  # CPUOffload: gradients are on the host
     handle.shard_comm.all_gather(grad_full, grad_shard, purpose="summon_grads").wait()
-    for info, param, shard in zip(handle.layout.params, shown, handle.shard_params, strict=True):
+    infos = handle.layout.params
+    for index, (info, param, shard) in enumerate(
+        zip(infos, shown, handle.shard_params, strict=True)
+    ):
         if shard.grad is not None:  # the same on every rank (the presence vote)
-            param.grad = grad_full[info.offset : info.end].view(info.shape)
+            grad = grad_full[info.offset : info.end].view(info.shape)
+            param.grad = _as_shown(handle, index, grad)
+
+
+def _as_shown(handle: FlatParamHandle, index: int, grad: torch.Tensor) -> torch.Tensor:
+    spec = handle.tp_specs[index]
+    return grad if spec is None else spec.wrap(grad.view(spec.block.shape))

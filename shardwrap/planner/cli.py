@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=parse_count, required=True, help="parameters, e.g. 7e9")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel degree (splits --params first)"
+    )
+    parser.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel stages (splits --params first)"
+    )
+    parser.add_argument(
         "--bf16",
         action="store_true",
         help="bf16 mixed precision: fp32 master shards and optimizer state, bf16 compute",
@@ -83,8 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table; with ``--budget``, the cheapest stage that fits. Returns an exit code."""
-    if args.world_size < 1:
-        raise SystemExit(f"--world-size: expected a positive number, got {args.world_size}")
+    for flag, value in (("--world-size", args.world_size), ("--tp", args.tp), ("--pp", args.pp)):
+        if value < 1:
+            raise SystemExit(f"{flag}: expected a positive number, got {value}")
     largest = args.largest_unit_params
     if largest is None:
         try:
@@ -102,7 +109,16 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         offload=args.offload,
         largest_unit_params=largest,
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
     )
+    if args.tp * args.pp > 1:
+        share = -(-args.params // (args.tp * args.pp))
+        print(
+            f"TP {args.tp} x PP {args.pp}: each rank of a data-parallel group holds "
+            f"{share:,} of the {args.params:,} parameters (P below), its layers' TP blocks "
+            f"(largest unit / {args.tp}); ZeRO shards them over the {args.world_size} DP ranks\n"
+        )
     print(format_table(estimates))
     if args.budget is None:
         return 0

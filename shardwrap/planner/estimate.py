@@ -129,6 +129,8 @@ def estimate_memory(
     rank: int | None = None,
     backward_prefetch: bool = True,
     param_persistence_threshold: int = 0,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> MemoryEstimate | tuple[MemoryEstimate, ...]:
     """Bytes each rank holds, by category; see the module's note for every formula.
 
@@ -144,9 +146,16 @@ def estimate_memory(
     unit while one computes (ZeRO-3 holds one unit more); False for ``None``/``BACKWARD_POST``.
     ``rank``: whose shard to count (default: the most loaded rank, category by category).
     ``param_persistence_threshold``: as ``ShardedModule``'s (units under it stay whole).
+    ``world_size`` is the data-parallel degree; ``tensor_parallel``/``pipeline_parallel``
+    split a parameter count first ([Note: counts under tensor and pipeline parallelism]).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    for name, value in (
+        ("world_size", world_size),
+        ("tensor_parallel", tensor_parallel),
+        ("pipeline_parallel", pipeline_parallel),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(
             f"optimizer: expected one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}"
@@ -172,6 +181,7 @@ def estimate_memory(
                 auto_wrap_policy,
                 largest_unit_params,
                 threshold,
+                (tensor_parallel, pipeline_parallel),
             ),
             member,
             world_size,

@@ -55,11 +55,20 @@ def model_sizes(
     auto_wrap_policy: Any,
     largest_unit_params: int | None,
     threshold: int = 0,
+    model_parallel: tuple[int, int] = (1, 1),
 ) -> ModelSizes:
+    """``model_parallel``: ``(tensor_parallel, pipeline_parallel)`` degrees; a count is
+    then split over them ([Note: counts under tensor and pipeline parallelism])."""
     num_shards = num_shards_of(strategy, world_size)
+    tp, pp = model_parallel
     if isinstance(source, nn.Module):
         if largest_unit_params is not None:
             raise ValueError("largest_unit_params: only for a parameter count, not a module")
+        if tp * pp != 1:
+            raise ValueError(
+                "tensor_parallel/pipeline_parallel: only for a parameter count; a module "
+                "is counted as one rank holds it (a pipeline stage, parallelize_module'd)"
+            )
         return module_sizes(source, num_shards, auto_wrap_policy, threshold)
     if isinstance(source, bool) or not isinstance(source, (int, float)) or source < 1:
         raise TypeError(
@@ -67,7 +76,23 @@ def model_sizes(
         )
     if auto_wrap_policy is not None:
         raise ValueError("auto_wrap_policy: only for a module, not a parameter count")
-    return count_sizes(int(source), num_shards, largest_unit_params, threshold)
+    if tp * pp == 1:
+        return count_sizes(int(source), num_shards, largest_unit_params, threshold)
+    num_params = int(source)
+    largest = largest_unit_params or assumed_shape(num_params).layer_params
+    if not 1 <= largest <= num_params:
+        raise ValueError(f"largest_unit_params: expected 1..{num_params}, got {largest}")
+    per_rank = -(-num_params // (tp * pp))
+    return count_sizes(per_rank, num_shards, min(per_rank, -(-largest // tp)), threshold)
+
+
+# [Note: counts under tensor and pipeline parallelism]
+# A parameter count P under TP x PP is taken as split evenly: each rank of one data-parallel
+# group holds ceil(P / (TP PP)) of it (its stage's layers, its TP block of each), which
+# ZeRO then shards over the DP ranks: 16 P / (TP PP DP) of fp32 Adam model state at stage
+# 3. A layer (the largest unit) is split by TP only: ceil(L / TP). Embeddings and norms
+# that TP replicates make the real share somewhat larger; a module instead is counted as
+# given, its DTensor parameters by their local blocks.
 
 
 def count_sizes(
@@ -92,6 +117,13 @@ def count_sizes(
     return ModelSizes(tuple(units), 0, chain_numel=largest_layout.padded_numel)
 
 
+def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """What one rank flattens of ``param``: its local block if it is a DTensor (recognised
+    by its ``to_local``: the planner stays clear of torch.distributed)."""
+    to_local = getattr(param, "to_local", None)
+    return tuple(to_local().shape if callable(to_local) else param.shape)
+
+
 def module_sizes(
     model: nn.Module, num_shards: int, auto_wrap_policy: Any, threshold: int = 0
 ) -> ModelSizes:
@@ -100,7 +132,7 @@ def module_sizes(
     owned = assign_params(model, unit_modules[1:], collect_params(model, set(), set()))
     layouts = [
         unit_layout(
-            [(r.fqn, tuple(r.param.shape), r.param.requires_grad) for r in owned[id(m)]],
+            [(r.fqn, _local_shape(r.param), r.param.requires_grad) for r in owned[id(m)]],
             num_shards,
             threshold,
         )

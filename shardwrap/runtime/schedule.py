@@ -242,10 +242,22 @@ class Schedule:
         self.flush_bucket()
         self.finish_reduces()
 
-    def end_step(self, forward_order: list[Unit]) -> None:
-        """Remember this step's order; settle reductions and prefetches nobody used."""
+    def end_step(self, forward_order: list[Unit], *, last: bool = True, free: bool = True) -> None:
+        """Remember this step's order; settle reductions and prefetches nobody used.
+
+        ``last=False``: a backward that does not end a microbatched step ([Note:
+        microbatched steps] in runtime/step.py): reductions settle, gathers in flight land
+        and stay, the order is not replaced. ``free=False`` (``set_reshard_after_backward(
+        False)``): gathered units stay gathered.
+        """
         self.flush_bucket()
         self.finish_reduces()
+        if not last:
+            for unit in forward_order:
+                if unit.handle is not None and unit.handle.gather_in_flight:
+                    unit.handle.unshard()
+                    unit.handle.reshard(free=False)
+            return
         self.bucket_slots.end_step()
         # A bucket may have gathered units from the last order that this step did not run.
         touched = list(dict.fromkeys([*forward_order, *self.previous_forward_order]))
@@ -255,7 +267,7 @@ class Schedule:
             if handle is not None and handle.gather_in_flight:
                 handle.unshard()
                 handle.reshard(free=unit.strategy.free_after_backward)
-            elif handle is not None and unit.strategy.free_after_backward:
+            elif handle is not None and unit.strategy.free_after_backward and free:
                 if handle.full_storage_bytes:  # gathered by a bucket, then not used this step
                     handle.reshard(free=True)
 

@@ -17,6 +17,18 @@ traffic after backward. Under ``no_sync`` full local gradients accumulate on the
 views; the next synchronising backward reduces their sum. If no synchronising backward
 follows (``no_sync`` backwards, then ``optimizer.step()``), the optimizer step pre-hook
 reduces what they left, so no accumulated gradient is ever dropped.
+
+[Note: microbatched steps]
+A pipeline schedule runs several microbatches' forwards and backwards per optimizer step,
+in an order of its own (GPipe: all forwards, then all backwards; 1F1B: interleaved). Three
+flags, FSDP2's, let it say where a step stands (``ShardedModule.set_*`` sets them):
+``sync_grads`` (``set_requires_gradient_sync``; off is ``no_sync``), ``reshard_after_backward``
+(off: a unit keeps its gathered parameters after backward, so the next microbatch's
+backward, and forward, need no all-gather) and ``is_last_backward`` (off: the step goes on
+after the next backward). While ``is_last_backward`` is off a new forward does not abandon
+the previous one's gathered parameters, and the end of a backward settles reductions but
+neither frees kept units nor replaces the forward order the schedule prefetches by: the
+order of the step's first backward (its forwards' order) is kept for its last one.
 """
 
 from __future__ import annotations
@@ -87,6 +99,10 @@ class StepRuntime:
         self.world_comm = world_comm
         self.schedule = schedule
         self.sync_grads = True
+        # [Note: microbatched steps]
+        self.reshard_after_backward = True
+        self.is_last_backward = True
+        self._step_order: list[Unit] = []  # forward order of a microbatched step so far
         self.execution_order: list[Unit] = []  # units in first-forward order this step
         # Units run (names, in order) since the last presence vote checked them.
         self.units_run: list[str] = []
@@ -123,8 +139,9 @@ class StepRuntime:
         # A forward whose backward never ran (evaluation with grad enabled, an exception).
         # Local gradients already accumulated stay, as autograd would keep them; only the
         # gathered parameters are released.
+        # Mid-step ([Note: microbatched steps]) a unit kept gathered stays so.
         if unit.handle is not None and unit.strategy.free_after_backward:
-            unit.handle.reshard(free=True)
+            unit.handle.reshard(free=self.is_last_backward)
         unit.end_step()
 
     def record_forward(self, unit: Unit) -> None:
@@ -151,7 +168,8 @@ class StepRuntime:
             # Every flag is known once the last reduction is issued: the vote goes out now
             # and its round trip overlaps the wait for the reductions still in flight.
             vote = self.start_vote(self.units)
-        self.schedule.end_step(self.execution_order)
+        order = self._order_for_end()
+        self.schedule.end_step(order, last=self.is_last_backward, free=self.reshard_after_backward)
         agreed = vote.finish() if vote is not None else True
         for unit in self.units:
             unit.end_step()
@@ -173,9 +191,21 @@ class StepRuntime:
             # to reduce on any rank (see [Note: frozen units]).
             if self.sync_grads and handle.has_trainable_params:
                 self.schedule.reduce_after_backward(unit, self.execution_order)
-            handle.reshard(free=unit.strategy.free_after_backward)
+            handle.reshard(free=unit.strategy.free_after_backward and self.reshard_after_backward)
         unit.finish_backward()
         self.schedule.after_post_backward(unit, self.execution_order)
+
+    def _order_for_end(self) -> list[Unit]:
+        """The forward order this backward's end hands the schedule.
+
+        See [Note: microbatched steps]: later backwards of a step record units in backward
+        order, so the step's first order is kept for its last backward.
+        """
+        if not self.is_last_backward:
+            self._step_order = self._step_order or list(self.execution_order)
+            return self.execution_order
+        order, self._step_order = self._step_order or self.execution_order, []
+        return order
 
     def _update_deferred_pending(self) -> None:
         # A synchronising backward reduces only the units it reached; a ZeRO-1 unit it did

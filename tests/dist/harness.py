@@ -533,6 +533,13 @@ class _Task:
                 dist.destroy_process_group(group)
             except Exception as exc:  # noqa: BLE001
                 return [f"could not destroy a process group: {exc}"]
+        if others:
+            # DTensor caches the output specs of its ops, meshes included, keyed by meshes
+            # that compare equal across tests: a new test's mesh would find the last one's,
+            # whose groups are gone now.
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
         return []
 
     def _clear_registries(self) -> None:

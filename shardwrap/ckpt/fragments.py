@@ -1,0 +1,135 @@
+"""What each rank's model contributes to a checkpoint's index, and their union.
+
+[Note: checkpoints of pipeline stages]
+Under pipeline parallelism each rank's ``ShardedModule`` holds one stage: a part of the
+whole model, under the whole model's names (the stage module keeps them, as torchtitan's
+stages do). A checkpoint must still describe the whole model, so every rank reports a
+*fragment*: the names, shapes and dtypes of its parameters, buffers and optimizer state
+and its optimizer's parameter groups. World rank 0 writes the index from the union of
+the fragments (under plain data parallelism every fragment is the same). Full-shape
+tensors under the whole model's names load under plain data parallelism at any world
+size, into other stage splits, or into ``from_pretrained``, and the reverse.
+
+Loading checks names against the union of every rank's names, so a stage does not find
+the other stages' tensors "unexpected"; its optimizer loads its own share of each saved
+parameter group. Buffers, parameters outside every unit and scalar optimizer state are
+written by each stage's first data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from .format import CheckpointError, dtype_name
+from .optim_state import SHARDED, VALUE, hyperparameters, optimizer_slots, state_kind
+from .slots import ModelSlots
+
+
+def fragment(slots: ModelSlots, optimizer: Any) -> dict[str, Any]:
+    """This rank's part of the index, as JSON values (see [Note: checkpoints of pipeline
+    stages])."""
+    result: dict[str, Any] = {
+        "params": {s.fqn: [list(s.shape), dtype_name(s.dtype)] for s in slots.slots},
+        "aliases": dict(slots.aliases),
+        "buffers": {n: [list(b.shape), dtype_name(b.dtype)] for n, b in slots.buffers.items()},
+        "groups": None,
+        "state": {},
+    }
+    if optimizer is None:
+        return result
+    groups = []
+    for index, (group, group_slots) in enumerate(
+        zip(optimizer.param_groups, optimizer_slots(optimizer, slots), strict=True)
+    ):
+        groups.append({**hyperparameters(group, index), "params": [s.fqn for s in group_slots]})
+        for slot in group_slots:
+            for state, value in optimizer.state.get(slot.local, {}).items():
+                kind = state_kind(slot, state, value)
+                if kind == VALUE:
+                    entry: dict[str, Any] = {"value": value}
+                else:
+                    shape = list(slot.shape) if kind == SHARDED else []
+                    entry = {"shape": shape, "dtype": dtype_name(value.dtype)}
+                result["state"].setdefault(slot.fqn, {})[state] = entry
+    result["groups"] = groups
+    return result
+
+
+def to_send(slots: ModelSlots, part: dict[str, Any]) -> dict[str, Any]:
+    """What a rank sends rank 0 of its fragment: the whole of it from the first
+    data-parallel rank of each stage, only its digest from the others (whose fragment is
+    their stage's: sending it whole made rank 0 receive the model's description once per
+    rank)."""
+    text = json.dumps(part, sort_keys=True, default=repr)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return {"digest": digest, "fragment": part if slots.leads else None}
+
+
+def received(sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading ranks' fragments, once every other rank's digest matches one of them."""
+    known = {s["digest"] for s in sent if s["fragment"] is not None}
+    for rank, part in enumerate(sent):
+        if part["digest"] not in known:
+            raise CheckpointError(
+                f"rank {rank}: its model or optimizer (names, shapes, dtypes, param groups) "
+                "differs from that of the first data-parallel rank of every stage; every rank "
+                "must hold the same model (or disjoint pipeline stages of it)"
+            )
+    return [s["fragment"] for s in sent if s["fragment"] is not None]
+
+
+def merge(fragments: list[dict[str, Any]]) -> dict[str, Any]:
+    """The union of every rank's fragment; a name two ranks describe differently is an error."""
+    merged: dict[str, Any] = {"params": {}, "aliases": {}, "buffers": {}, "state": {}}
+    for rank, part in enumerate(fragments):
+        for key in ("params", "aliases", "buffers"):
+            _union(merged[key], part[key], key, rank)
+        for name, states in part["state"].items():
+            _union(merged["state"].setdefault(name, {}), states, f"optimizer state of {name}", rank)
+    with_optim = [(rank, p["groups"]) for rank, p in enumerate(fragments) if p["groups"]]
+    merged["groups"] = _merge_groups(with_optim) if with_optim else None
+    if merged["groups"] is not None and len(with_optim) != len(fragments):
+        raise CheckpointError("an optimizer was given on some ranks and not on others")
+    return merged
+
+
+def _union(into: dict, part: dict, what: str, rank: int) -> None:
+    for name, value in part.items():
+        if into.setdefault(name, value) != value:
+            raise CheckpointError(
+                f"{what} {name!r}: rank {rank} has {value}, an earlier rank {into[name]}; "
+                "every rank must hold the same model (or disjoint pipeline stages of it)"
+            )
+
+
+def _merge_groups(with_optim: list[tuple[int, list[dict]]]) -> list[dict[str, Any]]:
+    first_rank, first = with_optim[0]
+    merged = [{**g, "params": list(g["params"])} for g in first]
+    for rank, groups in with_optim[1:]:
+        if len(groups) != len(merged):
+            raise CheckpointError(
+                f"optimizer: rank {rank} has {len(groups)} param groups, rank {first_rank} "
+                f"{len(merged)}; every stage's optimizer needs the same groups"
+            )
+        for index, (into, group) in enumerate(zip(merged, groups, strict=True)):
+            settings = {k: v for k, v in group.items() if k != "params"}
+            if settings != {k: v for k, v in into.items() if k != "params"}:
+                raise CheckpointError(
+                    f"optimizer: param_groups[{index}] settings differ between rank "
+                    f"{first_rank} and rank {rank}"
+                )
+            into["params"] += [n for n in group["params"] if n not in into["params"]]
+    return merged
+
+
+def names_held_elsewhere(slots: ModelSlots, every_rank_names: list[list[str]]) -> set[str]:
+    """Parameter and buffer names other ranks' models hold and this one does not (the
+    other pipeline stages'; empty under plain data parallelism)."""
+    mine = {s.fqn for s in slots.slots} | set(slots.aliases) | set(slots.buffers)
+    return {n for names in every_rank_names for n in names} - mine
+
+
+def local_names(slots: ModelSlots) -> list[str]:
+    return sorted({s.fqn for s in slots.slots} | set(slots.aliases) | set(slots.buffers))

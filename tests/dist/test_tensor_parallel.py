@@ -1,0 +1,146 @@
+"""ZeRO inside tensor parallelism: a (dp=2, tp=2) mesh of 4 gloo ranks, the model split by
+torch's ``parallelize_module`` and wrapped over ``mesh["dp"]``; see tests/dist/tp_cases.py.
+
+Every result is compared with single-process training of the unparallelized model on the
+global batch, with ``assert_close``'s defaults: TP splits the matmuls' sums, so the bits
+may differ, not the values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+
+from shardwrap.ckpt.consolidate import consolidate
+from tests.dist import tp_cases
+from tests.dist.harness import run_ranks
+
+WORLD = tp_cases.DP * tp_cases.TP
+EXACT = {"rtol": 0.0, "atol": 0.0}
+# bf16 parameters against an fp32 reference: bf16 keeps 8 bits of mantissa (relative
+# rounding 2**-8 ~ 0.004 per value); three steps of a 2-block model stay within 2%.
+BF16_LOSS_RTOL = 0.02
+
+
+def _assert_states(got: dict, expected: dict, **tolerance) -> None:
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name, **tolerance)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tp_cases.reference_run(max_norm=0.5)
+
+
+def test_training_matches_reference(reference):
+    """ZeRO-3, ZeRO-2, ZeRO-1 and plain data parallelism (NO_SHARD: in-place all-reduce,
+    reduce buckets) with clipping: losses, norms and full parameters."""
+    ref_losses, ref_norms, ref_params = reference
+    strategies = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM", "NO_SHARD")
+    results = run_ranks(tp_cases.train_strategies, WORLD, strategies, 0.5)
+    for rank, by_strategy in enumerate(results):
+        for strategy, out in by_strategy.items():
+            where = f"rank {rank}, {strategy}"
+            torch.testing.assert_close(torch.stack(out["losses"]), torch.stack(ref_losses))
+            torch.testing.assert_close(torch.stack(out["norms"]), torch.stack(ref_norms))
+            _assert_states(out["state"], ref_params)
+            # Units computed with DTensors of the global shape; gradients went over DP only.
+            assert out["shown"] == {"DTensor": (tp_cases.DIM, tp_cases.DIM)}, where
+            assert out["grad_group_sizes"] == {tp_cases.DP}, where
+            assert out["tp_grad_records"] == 0, where  # gradients came in their placements
+        # Measured: fp32 AdamW at ZeRO-3 holds 16 bytes per element of this TP rank's
+        # share (TP-split parameters / TP, replicated ones whole) / DP, plus padding.
+        out = by_strategy["FULL_SHARD"]
+        local, dp, units = tp_cases.local_numel(), tp_cases.DP, out["num_units"]
+        assert local < sum(p.numel() for p in ref_params.values())
+        assert 16 * local // dp <= out["model_state_bytes"]
+        assert out["model_state_bytes"] <= 16 * (local + units * (dp - 1)) // dp
+
+
+def test_sequence_parallel_matches_reference(reference):
+    """Norm weights get Partial gradients (summed over TP before the DP reduction); the
+    embedding and head are vocab-parallel DTensors too."""
+    ref_losses, ref_norms, ref_params = reference
+    for out in run_ranks(tp_cases.train_tp, WORLD, "FULL_SHARD", 0.5, 5, True):
+        torch.testing.assert_close(torch.stack(out["losses"]), torch.stack(ref_losses))
+        torch.testing.assert_close(torch.stack(out["norms"]), torch.stack(ref_norms))
+        _assert_states(out["state"], ref_params)
+        assert out["tp_grad_records"] > 0  # Partial gradients were summed over TP
+        assert out["grad_group_sizes"] == {tp_cases.DP}
+
+
+def test_no_sync_and_summon_full_params():
+    expected = tp_cases.reference_no_sync()
+    for out in run_ranks(tp_cases.summon_and_no_sync, WORLD):
+        _assert_states(out["state"], expected)
+        for name, (kind, shape, value) in out["summoned"].items():
+            assert shape == tuple(expected[name].shape), name
+            torch.testing.assert_close(value, expected[name], msg=name)
+        assert out["summoned"]["blocks.0.fc.weight"][0] == "DTensor"
+        assert out["summoned"]["tok.weight"][0] == "Parameter"
+
+
+def test_hybrid_shard_on_a_slice_of_a_3d_mesh():
+    expected = tp_cases.reference_run(num_steps=2)[2]
+    for state in run_ranks(tp_cases.hybrid_state, WORLD, 2):
+        _assert_states(state, expected)
+
+
+def test_cpu_offload_and_activation_checkpointing():
+    expected = tp_cases.reference_run(num_steps=2)[2]
+    for states in run_ranks(tp_cases.offload_and_checkpointing, WORLD, 2):
+        for case, state in states.items():
+            assert set(state) == set(expected), case
+            _assert_states(state, expected)
+
+
+def test_what_tp_refuses_is_named():
+    for messages in run_ranks(tp_cases.refusals, WORLD):
+        assert "sync_module_states" in messages["sync_module_states"]
+        assert "DTensor" in messages["sync_module_states"]
+        assert "SHARDED_STATE_DICT" in messages["sharded_state_dict"]
+        assert "blocks.0.q.weight" in messages["sharded_state_dict"]
+
+
+def test_mixed_precision_follows_reference(reference):
+    ref_losses = [float(x) for x in reference[0][:3]]
+    for losses in run_ranks(tp_cases.mixed_precision_losses, WORLD):
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=BF16_LOSS_RTOL, atol=0.0
+        )
+
+
+def _assert_same_states(got: dict, saved: dict) -> None:
+    _assert_states(got["model"], saved["model"], **EXACT)
+    assert got["optim"]["param_groups"] == saved["optim"]["param_groups"]
+    assert set(got["optim"]["state"]) == set(saved["optim"]["state"])
+    for name, states in saved["optim"]["state"].items():
+        _assert_states(got["optim"]["state"][name], states, **EXACT)
+
+
+def test_checkpoint_from_tp_dp_loads_at_dp_1_2_3_tp4_and_unwrapped(tmp_path):
+    path = str(tmp_path / "tp2dp2")
+    saved = run_ranks(tp_cases.save_tp, WORLD, path)[0]
+    for world_size in (1, 2, 3):  # plain data parallelism, padded unevenly at 3
+        for got in run_ranks(tp_cases.load_dp, world_size, path):
+            _assert_same_states(got, saved)
+    for got in run_ranks(tp_cases.load_tp, WORLD, path, 4):  # another TP degree: TP4 x DP1
+        _assert_same_states(got, saved)
+    consolidate(path, str(tmp_path / "hf"))
+    model = tp_cases.TPNet()
+    weights = safetensors.torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    model.load_state_dict(weights)
+    _assert_states(model.state_dict(), saved["model"], **EXACT)
+    # ... and the Hugging Face folder back into TP2 x DP2.
+    for state in run_ranks(tp_cases.pretrained_tp, WORLD, str(tmp_path / "hf")):
+        _assert_states(state, saved["model"], **EXACT)
+
+
+def test_checkpoint_from_dp2_loads_at_tp_dp(tmp_path):
+    path = str(tmp_path / "dp2")
+    saved = run_ranks(tp_cases.save_dp, 2, path)[0]
+    for got in run_ranks(tp_cases.load_tp, WORLD, path):
+        _assert_same_states(got, saved)
+        _assert_same_states(got["reloaded"], saved)  # full state dicts, loaded under TP
