@@ -150,10 +150,11 @@ def rank_records(layouts: list[FlatLayout], rank: int) -> list[tuple]:
                 if piece.numel:
                     origin = rank * step - info.offset
                     start, end = piece.param_start, piece.param_end
-                    records.append((kind, info.fqn, state, start, end, "float32", step, origin))
+                    record = (kind, info.fqn, state, start, end, "float32", step, origin, "")
+                    records.append(record)
     if rank == 0:  # AdamW's scalar ``step`` of every parameter, saved by rank 0 alone
         for layout in layouts:
-            records += [("optim", i.fqn, "step", 0, 1, "float32", 0, 0) for i in layout.params]
+            records += [("optim", i.fqn, "step", 0, 1, "float32", 0, 0, "") for i in layout.params]
     return records
 
 
@@ -246,7 +247,7 @@ def format_1_figures(layouts: list[FlatLayout], world_size: int, reports: list[d
     for rank, report in enumerate(reports):
         name = report["file"]
         records, digests = [], {}
-        for kind, fqn, state, start, end, dtype, *_ in report["records"]:
+        for kind, fqn, state, start, end, dtype, *_ in report["records"]:  # no TP suffixes
             key = f"{kind}/{fqn}" if state is None else f"{kind}/{fqn}/{state}"
             records.append(
                 {"kind": kind, "name": fqn, "state": state, "key": key, "start": start}

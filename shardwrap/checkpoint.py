@@ -142,7 +142,8 @@ def _write_rank_file(
 
 def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[tuple]]:
     """The 1-D pieces this rank saves (written lazily), and a record of each for the index:
-    ``(kind, name, state, start, end, dtype, step, origin)``; see :class:`SavedPiece`."""
+    ``(kind, name, state, start, end, dtype, step, origin, key suffix)``; see
+    :class:`SavedPiece` (the suffix tells a tensor-parallel block's pieces apart)."""
     items: list[StreamItem] = []
     records: list[tuple] = []
     is_rank0 = slots.leads  # the first data-parallel rank of this rank's stage
@@ -152,7 +153,7 @@ def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[tu
         flat = value.detach().reshape(-1)
         items.append(StreamItem(key, flat.dtype, (flat.numel(),), lambda flat=flat: flat))
         end = start + flat.numel()
-        records.append((kind, name, state, start, end, dtype_name(flat.dtype), *pattern))
+        records.append((kind, name, state, start, end, dtype_name(flat.dtype), *pattern, at))
 
     def add_slot(kind: str, slot: ParamSlot, state: str | None, value: torch.Tensor) -> None:
         for at, piece, start in slot.saved_pieces(value):  # several for a TP block
@@ -242,8 +243,8 @@ def _collect_pieces(reports: list[dict]) -> PieceMap:
     """Every rank's saved pieces by ``(kind, name, state)``."""
     pieces: PieceMap = defaultdict(list)
     for rank, report in enumerate(reports):
-        for kind, name, state, start, end, _, step, origin in report["records"]:
-            key = f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}"
+        for kind, name, state, start, end, _, step, origin, at in report["records"]:
+            key = (f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}") + at
             saved = SavedPiece(rank, report["file"], key, start, end, step, origin)
             pieces[(kind, name, state)].append(saved)
     return pieces
@@ -297,8 +298,7 @@ def load_checkpoint(
     comm = slots.world_comm
     result: dict[str, Any] = {}
     # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
-    every = comm.all_gather_object(fragments.local_names(slots), purpose="checkpoint")
-    elsewhere = fragments.names_held_elsewhere(slots, every)
+    elsewhere = fragments.names_held_elsewhere(slots, [fragments.every_name(slots)])
 
     def load() -> dict[str, Any]:
         run_state.check_sampler("sampler", sampler, "load_state_dict")

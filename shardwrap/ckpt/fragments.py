@@ -131,5 +131,16 @@ def names_held_elsewhere(slots: ModelSlots, every_rank_names: list[list[str]]) -
     return {n for names in every_rank_names for n in names} - mine
 
 
+def every_name(slots: ModelSlots) -> list[str]:
+    """The union of every rank's names: gathered to rank 0, merged, sent back once.
+
+    (An all-gather of each rank's names made every rank receive them once per rank.)
+    """
+    comm = slots.world_comm
+    gathered = comm.gather_object(local_names(slots), purpose="checkpoint_names")
+    union = sorted({n for names in gathered for n in names}) if gathered is not None else None
+    return comm.broadcast_object(union, purpose="checkpoint_names")  # type: ignore[return-value]
+
+
 def local_names(slots: ModelSlots) -> list[str]:
     return sorted({s.fqn for s in slots.slots} | set(slots.aliases) | set(slots.buffers))

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from .consolidate import HF_INDEX_FILE, HF_SINGLE_FILE
 from .format import CheckpointError, member_path
-from .fragments import local_names, names_held_elsewhere
+from .fragments import every_name, names_held_elsewhere
 from .outcome import guarded, settle
 from .slots import ParamSlot, model_slots
 
@@ -54,8 +54,7 @@ def load_pretrained(model: Any, path: str | os.PathLike, *, strict: bool = True)
     root = os.fspath(path)
     slots = model_slots(model)
     # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
-    every = slots.world_comm.all_gather_object(local_names(slots), purpose="load_pretrained")
-    elsewhere = names_held_elsewhere(slots, every)
+    elsewhere = names_held_elsewhere(slots, [every_name(slots)])
     report = guarded(lambda: _load(root, slots, strict, elsewhere))
     settle(slots.world_comm, "load_pretrained", root, report, purpose="load_pretrained")
 
