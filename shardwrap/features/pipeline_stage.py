@@ -63,6 +63,17 @@ class ShardedPipelineStage(PipelineStage):
         module.set_is_last_backward(last_backward)
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        """Without ``input_args``/``output_args`` the stage learns what flows back from one
+        real backward for input gradients only: no parameter gets a gradient, so there is
+        nothing to reduce over the data-parallel group (with sync on, every unit would
+        reduce an empty gradient once more in the first step)."""
+        self.submod.set_requires_gradient_sync(False)
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            self.submod.set_requires_gradient_sync(True)
+
     def _post_metadata_inference_cleanup(self) -> None:
         """Metadata inference ran one real forward (and input backward): drop its grads."""
         super()._post_metadata_inference_cleanup()
