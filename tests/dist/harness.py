@@ -98,6 +98,12 @@ def run_ranks(
     return results
 
 
+def release_pool(world_size: int) -> None:
+    """End the pool of ``world_size`` ranks now, for a world size one module alone uses
+    (its idle processes would otherwise hold memory until the session ends)."""
+    _drop_pool(world_size, graceful=True)
+
+
 def shutdown_pools() -> None:
     """End every pooled rank (at the end of the session; also registered with atexit)."""
     for world_size in list(_POOLS):

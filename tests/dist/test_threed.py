@@ -1,0 +1,98 @@
+"""3-D parallelism: TP2 x PP2 x DP2 on 8 gloo ranks, one checkpoint for every layout.
+
+Each pipeline stage is split by torch's ``parallelize_module`` over ``mesh["tp"]``,
+wrapped in ``ShardedModule`` over ``mesh["dp"]`` (ZeRO-3, ZeRO-2, ZeRO-1) and driven by
+torch's ``Schedule1F1B`` / ``ScheduleGPipe`` through ``ShardedPipelineStage``; see
+tests/dist/threed_cases.py. Losses and full parameters after 5 AdamW steps are compared
+with single-process training on the global batch with ``assert_close``'s defaults (TP
+splits the matmuls' sums, so the bits may differ, not the values). Checkpoints: the
+3-D one loads at plain DP 3 and, consolidated, into the unwrapped model; one saved at
+plain DP loads into the 3-D layout; each exactly, model and optimizer state.
+
+8 ranks on a small machine are slow to start (about 20 s of the module's 45 s on 2
+loaded cores), so the training (with the save) runs once, in a module fixture, the loads
+in one test, and the 8-rank pool, used by no other module, ends with this one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardwrap.ckpt.consolidate import consolidate
+from tests.dist import threed_cases as tc
+from tests.dist.harness import release_pool, run_ranks
+
+WORLD = tc.PP * tc.DP * tc.TP
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+def _union(states: list[dict], part: str) -> dict:
+    merged: dict = {}
+    for state in states:
+        merged.update(state[part])
+    return merged
+
+
+def _assert_same(got: dict, expected: dict, where: str, **tolerance) -> None:
+    assert set(got) == set(expected), (where, sorted(got), sorted(expected))
+    for name, value in expected.items():
+        if isinstance(value, dict):
+            _assert_same(got[name], value, f"{where}/{name}", **tolerance)
+        else:
+            torch.testing.assert_close(got[name], value, msg=f"{where}/{name}", **tolerance)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("threed") / "ckpt")
+    yield path, run_ranks(tc.train_worker, WORLD, path)
+    release_pool(WORLD)
+
+
+def test_threed_training_matches_single_process(trained):
+    ref_losses, ref_params = tc.reference_run()
+    _, results = trained
+    for case in tc.CASES:
+        stages = [by_case[case] for by_case in results]
+        for rank, out in enumerate(stages):
+            where = f"rank {rank} {case}"
+            if rank // (tc.DP * tc.TP) == tc.PP - 1:  # the last stage computes the losses
+                torch.testing.assert_close(out["losses"], ref_losses, msg=where)
+            mine = {name: ref_params[name] for name in out["model"]}
+            _assert_same(out["model"], mine, where)
+            # Gradients are reduced over the data-parallel group only, once per unit and
+            # step (after the last microbatch's backward).
+            for step in out["reductions"]:
+                assert step == {"count": out["units"], "group_sizes": [tc.DP]}, (where, step)
+        # The two stages together hold the whole model.
+        assert set(stages[0]["model"]) | set(stages[-1]["model"]) == set(ref_params)
+
+
+def test_threed_checkpoint_loads_in_every_layout(trained, tmp_path):
+    path, results = trained
+    saved = [by_case[tc.SAVED_CASE] for by_case in results]
+    whole = {part: _union(saved, part) for part in ("model", "optim")}
+    # At plain DP 3 (ZeRO-1), exactly, model and optimizer; and it saves a DP checkpoint.
+    dp_path = str(tmp_path / "dp3")
+    at_dp = run_ranks(tc.dp_load_then_save, 3, path, dp_path)
+    for rank, out in enumerate(at_dp):
+        for part in ("model", "optim"):
+            _assert_same(out["loaded"][part], whole[part], f"dp rank {rank} {part}", **EXACT)
+        assert out["loaded"]["extra"] == {"step": tc.NUM_STEPS}
+    # Consolidated into one Hugging Face file: the unwrapped model loads it exactly.
+    consolidate(path, str(tmp_path / "hf"))
+    model = tc.whole_model(seed=99)
+    model.load_state_dict(load_file(os.path.join(tmp_path / "hf", "model.safetensors")))
+    _assert_same(model.state_dict(), whole["model"], "unwrapped", **EXACT)
+    # The reverse: the plain DP checkpoint loads into fresh 3-D stages (ZeRO-3) exactly.
+    dp_saved = at_dp[0]["saved"]
+    for rank, out in enumerate(run_ranks(tc.load_worker, WORLD, "FULL_SHARD", dp_path)):
+        assert out["extra"] == {"step": tc.NUM_STEPS + tc.CKPT_STEPS}
+        for part in ("model", "optim"):
+            mine = {name: dp_saved[part][name] for name in out[part]}
+            assert mine, (rank, part)
+            _assert_same(out[part], mine, f"3-D rank {rank} {part}", **EXACT)
