@@ -194,6 +194,7 @@ def _commit_index(
     The index describes the union of every rank's model ([Note: checkpoints of pipeline
     stages]).
     """
+    reports = fragments.without_replicas(reports)  # [Note: replicas the model cannot see]
     pieces = _collect_pieces(reports)
     whole = fragments.merge(fragments.received([r["fragment"] for r in reports]))
     params = {

@@ -14,6 +14,17 @@ Loading checks names against the union of every rank's names, so a stage does no
 the other stages' tensors "unexpected"; its optimizer loads its own share of each saved
 parameter group. Buffers, parameters outside every unit and scalar optimizer state are
 written by each stage's first data-parallel rank.
+
+[Note: replicas the model cannot see]
+Ranks can hold identical copies that nothing in their own model tells apart: under
+TP x PP x DP, a stage with no tensor-parallel parameter (an embedding-only first stage)
+is computed alike by every TP rank, each wrapped over its own data-parallel group, so
+each leads its group and saves the same ranges (the TP rule, mesh coordinate 0, needs a
+``DTensor`` to read the mesh from). Rank 0 keeps the pieces of the lowest such rank and
+drops the others' reports whole (:func:`without_replicas`), so the index lists each range
+once and the replicas' files are removed with the stale ones. The cost: those replicas
+write their copy before it is dropped. Tensor-parallel models are not affected: their TP
+replicas save nothing twice.
 """
 
 from __future__ import annotations
@@ -144,3 +155,17 @@ def every_name(slots: ModelSlots) -> list[str]:
 
 def local_names(slots: ModelSlots) -> list[str]:
     return sorted({s.fqn for s in slots.slots} | set(slots.aliases) | set(slots.buffers))
+
+
+def without_replicas(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``reports`` (by rank), with no records and no file for a rank whose records equal a
+    lower rank's ([Note: replicas the model cannot see]); its fragment stays."""
+    seen: set[tuple] = set()
+    kept = []
+    for report in reports:
+        records = tuple(map(tuple, report["records"]))
+        if records and records in seen:
+            report = {**report, "records": [], "file": None}
+        seen.add(records)
+        kept.append(report)
+    return kept

@@ -96,3 +96,17 @@ def test_threed_checkpoint_loads_in_every_layout(trained, tmp_path):
             mine = {name: dp_saved[part][name] for name in out[part]}
             assert mine, (rank, part)
             _assert_same(out[part], mine, f"3-D rank {rank} {part}", **EXACT)
+
+
+def test_tp_replicas_without_tp_parameters_save_each_range_once(tmp_path):
+    """A model with no tensor-parallel parameter wrapped over ``mesh["dp"]`` of a
+    (dp, tp) mesh (an unparallelized stage in a TP job): its TP ranks hold the same
+    shards, nothing in the model says so, and the checkpoint still takes each range once
+    ([Note: replicas the model cannot see]); it loads at plain DP 3 exactly."""
+    path = str(tmp_path / "replicas")
+    saved = run_ranks(tc.tp_replicas_save, 4, path)
+    for rank, out in enumerate(saved):
+        _assert_same(out, saved[0], f"rank {rank} as saved", **EXACT)  # replicas agree
+    for rank, out in enumerate(run_ranks(tc.dp_load, 3, path)):
+        assert out.pop("extra") == {"step": tc.CKPT_STEPS}
+        _assert_same(out, saved[0], f"dp rank {rank}", **EXACT)

@@ -204,3 +204,34 @@ def dp_load_then_save(rank: int, world_size: int, path: str, save_to: str) -> di
         optim.zero_grad()
     shardwrap.save_checkpoint(save_to, module, optim, extra={"step": NUM_STEPS + CKPT_STEPS})
     return {"loaded": loaded, "saved": full_state(module, optim)}
+
+
+# ------------------------------------- TP replicas that hold no tensor-parallel parameter
+def tp_replicas_save(rank: int, world_size: int, path: str) -> dict:
+    """A (dp=2, tp=2) mesh whose model has no DTensor parameter (as a stage of plain
+    layers in a TP job): the two TP ranks of each DP index hold identical ZeRO-3 shards,
+    and the checkpoint must take each range once. Trains 2 steps, saves; the whole state."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    module = shardwrap.ShardedModule(
+        whole_model(), device_mesh=mesh["dp"], auto_wrap_policy=ModuleWrapPolicy({Block})
+    )
+    optim = torch.optim.AdamW(module.parameters(), lr=0.01)
+    for step in range(CKPT_STEPS):
+        x, y = local_batch(step, mesh["dp"].get_local_rank(), 2)
+        F.mse_loss(module(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+    shardwrap.save_checkpoint(path, module, optim, extra={"step": CKPT_STEPS})
+    return full_state(module, optim)
+
+
+def dp_load(rank: int, world_size: int, path: str) -> dict:
+    """Plain DP (ZeRO-1, ``world_size`` ranks), fresh values: load; the whole state."""
+    module = shardwrap.ShardedModule(
+        whole_model(seed=99),
+        sharding_strategy="SHARD_OPTIM",
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+    )
+    optim = torch.optim.AdamW(module.parameters(), lr=0.01)
+    extra = shardwrap.load_checkpoint(path, module, optim)
+    return {**full_state(module, optim), "extra": extra}
