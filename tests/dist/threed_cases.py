@@ -1,4 +1,4 @@
-"""Workers for 3-D parallelism: TP x PP x DP on one ``(pp, dp, tp)`` mesh (tests/dist/test_threed.py).
+"""Workers for 3-D parallelism, TP x PP x DP on one ``(pp, dp, tp)`` mesh (test_threed.py).
 
 The model is a stack of residual MLP blocks (norm, ``fc`` column-wise, ``out`` row-wise:
 each TP rank holds half the hidden units; the norm stays a plain, replicated tensor),
@@ -145,6 +145,7 @@ def train(strategy: str, schedule: str, infer: bool, save_to: str | None = None)
         )
         reductions.append(_grad_reductions(module))
         optim.step()
+        state_bytes = _model_state_bytes(optim)  # with the step's gradients still held
         optim.zero_grad()
         if stage.is_last:
             mean = torch.stack(step_losses).mean().reshape(1)
@@ -153,7 +154,40 @@ def train(strategy: str, schedule: str, infer: bool, save_to: str | None = None)
     if save_to is not None:
         shardwrap.save_checkpoint(save_to, module, optim, extra={"step": NUM_STEPS})
     units = sum(1 for u in module.units if u.handle is not None and u.handle.has_trainable_params)
-    return {"losses": losses, "reductions": reductions, "units": units, **full_state(module, optim)}
+    return {
+        "losses": losses,
+        "reductions": reductions,
+        "units": units,
+        "model_state_bytes": state_bytes,
+        "pp_rank": mesh["pp"].get_local_rank(),
+        **full_state(module, optim),
+    }
+
+
+def _model_state_bytes(optim) -> int:
+    """Bytes of what the optimizer holds: parameter shards, their gradients, its state."""
+    total = 0
+    for group in optim.param_groups:
+        for param in group["params"]:
+            tensors = [param, param.grad, *optim.state[param].values()]
+            total += sum(
+                t.numel() * t.element_size()
+                for t in tensors
+                if isinstance(t, torch.Tensor) and t.dim() > 0
+            )
+    return total
+
+
+def local_numel(pp_rank: int) -> int:
+    """Parameter elements one TP rank of stage ``pp_rank`` holds: ``fc`` (column-wise:
+    weight and bias) and ``out.weight`` (row-wise) / TP, the rest whole."""
+    whole = whole_model()
+    total = 0
+    for i in stage_layers(pp_rank):
+        for name, param in whole[i].named_parameters():
+            split = i < NUM_BLOCKS and (name.startswith("fc.") or name == "out.weight")
+            total += param.numel() // TP if split else param.numel()
+    return total
 
 
 def _grad_reductions(module) -> dict:
