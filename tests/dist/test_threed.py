@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardwrap.ckpt.consolidate import consolidate
+from shardwrap.ckpt.format import SHARD_FILE_PATTERN
 from tests.dist import threed_cases as tc
 from tests.dist.harness import release_pool, run_ranks
 
@@ -114,6 +115,9 @@ def test_tp_replicas_without_tp_parameters_save_each_range_once(tmp_path):
     saved = run_ranks(tc.tp_replicas_save, 4, path)
     for rank, out in enumerate(saved):
         _assert_same(out, saved[0], f"rank {rank} as saved", **EXACT)  # replicas agree
+    # One shard file per data-parallel rank: the TP replicas' copies were removed.
+    shard_files = [n for n in os.listdir(path) if SHARD_FILE_PATTERN.match(n)]
+    assert len(shard_files) == 2, sorted(os.listdir(path))
     for rank, out in enumerate(run_ranks(tc.dp_load, 3, path)):
         assert out.pop("extra") == {"step": tc.CKPT_STEPS}
         _assert_same(out, saved[0], f"dp rank {rank}", **EXACT)
