@@ -301,7 +301,7 @@ def load_checkpoint(
     # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
     elsewhere = fragments.names_held_elsewhere(slots, [fragments.every_name(slots)])
 
-    def load() -> dict[str, Any]:
+    def check() -> dict[str, Any]:
         run_state.check_sampler("sampler", sampler, "load_state_dict")
         check_bool("restore_rng", restore_rng)
         index = read_index(root)
@@ -309,22 +309,29 @@ def load_checkpoint(
         check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
         if optimizer is not None:  # refuse a misfit before the model changes
             _check_optimizer(index, slots, optimizer, elsewhere)
-        result["run"] = None
+        run, data = None, None
         if restore_rng or sampler is not None:
             run, data = run_state.read_for_load(root, index.meta, comm.rank, comm.size, sampler)
-            if sampler is not None:
-                sampler.load_state_dict(data)
-            result["run"] = run if restore_rng else None
-        with CheckpointReader(root, index) as reader:
-            _load_params(index, reader, slots, matched)
-            if optimizer is not None:
-                _load_optimizer(index, reader, slots, optimizer, elsewhere)
-        result["extra"] = index.extra
+        result.update(index=index, matched=matched, run=run if restore_rng else None, data=data)
         return {}
 
+    def load() -> dict[str, Any]:
+        index = result["index"]
+        if sampler is not None:
+            sampler.load_state_dict(result["data"])
+        with CheckpointReader(root, index) as reader:
+            _load_params(index, reader, slots, result["matched"])
+            if optimizer is not None:
+                _load_optimizer(index, reader, slots, optimizer, elsewhere)
+        return {}
+
+    # Every rank checks before any rank changes anything, so a checkpoint that one rank
+    # refuses leaves every rank's model, optimizer and sampler as they were.
+    settle(comm, "load", root, guarded(check))
     settle(comm, "load", root, guarded(load))
     if result["run"] is not None:
         result["run"].restore_rng(comm.rank)
+    result["extra"] = result["index"].extra
     return result["extra"]
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -161,3 +162,28 @@ def test_resume_at_2_then_3_then_1_ranks_keeps_the_global_order(tmp_path, strate
     assert set(got) == set(want)
     for name in want:
         torch.testing.assert_close(torch.from_numpy(got[name]), torch.from_numpy(want[name]))
+
+
+def refused_on_one_rank(rank: int, world_size: int, folder: str) -> None:
+    """Rank 1's run file is damaged: rank 0 could load, but no rank may change anything."""
+    model, optim, sampler = _build(rank, world_size, "FULL_SHARD", 0.0, 0)
+    _train(model, optim, sampler, 2, noise=False)
+    save_checkpoint(folder, model, optim, sampler=sampler)
+    if rank == 1:
+        (run_file,) = [p for p in os.listdir(folder) if p.endswith("-rank00001.run.json")]
+        with open(os.path.join(folder, run_file), "w") as handle:
+            handle.write("{ damaged")
+    _train(model, optim, sampler, 1, noise=False)
+    params, position = _params(model), sampler.state_dict()
+    moments = [s["exp_avg"].clone() for s in optim.state.values()]
+    with pytest.raises(shardwrap.CheckpointError, match="rank 1"):
+        load_checkpoint(folder, model, optim, sampler=sampler)
+    for before, after in zip(params, _params(model), strict=True):
+        torch.testing.assert_close(after, before, **EXACT)
+    for before, state in zip(moments, optim.state.values(), strict=True):
+        torch.testing.assert_close(state["exp_avg"], before, **EXACT)
+    assert sampler.state_dict() == position
+
+
+def test_a_load_one_rank_refuses_changes_no_rank(tmp_path):
+    run_ranks(refused_on_one_rank, 2, str(tmp_path))
