@@ -184,7 +184,11 @@ def write_json(path: str, results: dict) -> None:
 
 
 def write_chart(path: str, results: dict) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the bench extra (make bench) brings it; the tables are printed
+        print(f"no chart ({path}): matplotlib is not installed (pip install '.[bench]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -59,6 +59,7 @@ from torch import nn
 from ..layout.flat import FlatLayout, padded_numel
 from ..layout.persistence import check_threshold
 from ..options import ShardingStrategy
+from .secondary import CATEGORY, check_hpz, hpz_numel
 from .shards import worst_trainable_shard
 from .sizes import ModelSizes, model_sizes
 
@@ -99,7 +100,8 @@ class MemoryEstimate:
         return next(s for s, member in STAGE_STRATEGIES.items() if member is self.strategy)
 
     def bytes(self, category: str) -> int:
-        return next(i.num_bytes for i in self.items if i.category == category)
+        """Bytes of ``category``; 0 for one this estimate does not hold (``hpz_secondary``)."""
+        return next((i.num_bytes for i in self.items if i.category == category), 0)
 
     def bytes_at(self, location: Location) -> int:
         return sum(i.num_bytes for i in self.items if i.location is location)
@@ -131,6 +133,7 @@ def estimate_memory(
     param_persistence_threshold: int = 0,
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
+    hpz_partition_size: int | None = None,
 ) -> MemoryEstimate | tuple[MemoryEstimate, ...]:
     """Bytes each rank holds, by category; see the module's note for every formula.
 
@@ -148,6 +151,7 @@ def estimate_memory(
     ``param_persistence_threshold``: as ``ShardedModule``'s (units under it stay whole).
     ``world_size`` is the data-parallel degree; ``tensor_parallel``/``pipeline_parallel``
     split a parameter count first ([Note: counts under tensor and pipeline parallelism]).
+    ``hpz_partition_size``: ZeRO++'s secondary partition at stage 3 (``secondary.py``).
     """
     for name, value in (
         ("world_size", world_size),
@@ -171,6 +175,7 @@ def estimate_memory(
     if rank is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < {world_size}, got {rank}")
     strategies = _strategies(strategy, stage)
+    hpz = check_hpz(hpz_partition_size, world_size)
     threshold = check_threshold(param_persistence_threshold)
     estimates = tuple(
         _estimate_one(
@@ -189,7 +194,7 @@ def estimate_memory(
             OPTIMIZER_STATES[optimizer],
             offload,
             rank,
-            backward_prefetch,
+            (backward_prefetch, hpz),
         )
         for member in strategies
     )
@@ -298,8 +303,9 @@ def _estimate_one(
     num_states: int,
     offload: str | None,
     rank: int | None,
-    prefetch: bool,
+    prefetch_and_hpz: tuple[bool, int | None],
 ) -> MemoryEstimate:
+    prefetch, hpz = prefetch_and_hpz
     n = max(u.layout.num_shards for u in sizes.units)
     trainable = sum(i.numel for u in sizes.units for i in u.layout.params if i.requires_grad)
     shard, trainable_shard = _shard_numels(sizes, rank)
@@ -327,6 +333,9 @@ def _estimate_one(
             "buffers", sizes.buffer_bytes, Location.DEVICE, f"{sizes.buffer_bytes:,} B (replicated)"
         ),
     )
+    if secondary := hpz_numel(sizes, strategy, hpz):
+        formula = f"P c / G = {secondary:,} x {elem.compute} (G = {hpz})"
+        items += (MemoryItem(CATEGORY, secondary * elem.compute, Location.DEVICE, formula),)
     return MemoryEstimate(strategy, world_size, items)
 
 
@@ -349,16 +358,21 @@ def format_table(estimates: tuple[MemoryEstimate, ...]) -> str:
         f"{f'stage {e.stage} {e.strategy.name}':>24}" for e in estimates
     )
     lines = [header]
-    for category in TABLE_ROWS:
+    extra = (CATEGORY,) if any(e.bytes(CATEGORY) for e in estimates) else ()
+    for category in TABLE_ROWS + extra:
         if category is None:
             cells = [f"{_gib(e.model_state_bytes):>24}" for e in estimates]
             lines.append(f"{MODEL_STATE_ROW:<22}" + "".join(cells))
             continue
         cells = []
         for estimate in estimates:
-            item = next(i for i in estimate.items if i.category == category)
-            where = "" if item.location is Location.DEVICE else f" ({item.location.value})"
-            cells.append(f"{_gib(item.num_bytes) + where:>24}")
+            item = next((i for i in estimate.items if i.category == category), None)
+            where = (
+                ""
+                if item is None or item.location is Location.DEVICE
+                else f" ({item.location.value})"
+            )
+            cells.append(f"{_gib(estimate.bytes(category)) + where:>24}")
         lines.append(f"{category:<22}" + "".join(cells))
     lines.append(
         f"{'total on device':<22}" + "".join(f"{_gib(e.device_bytes):>24}" for e in estimates)
@@ -378,12 +392,5 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:,.3f}"
 
 
-__all__ = [
-    "MemoryEstimate",
-    "MemoryItem",
-    "Location",
-    "estimate_memory",
-    "cheapest_fitting",
-    "format_table",
-    "padded_numel",
-]
+__all__ = ["MemoryEstimate", "MemoryItem", "Location", "estimate_memory", "cheapest_fitting"]
+__all__ += ["format_table", "padded_numel"]

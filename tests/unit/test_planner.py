@@ -7,7 +7,8 @@ import torch
 
 from shardwrap.__main__ import main
 from shardwrap.planner.cli import parse_bytes
-from shardwrap.planner.estimate import Location, cheapest_fitting, estimate_memory
+from shardwrap.planner.estimate import Location, cheapest_fitting, estimate_memory, format_table
+from shardwrap.policies import ModuleWrapPolicy
 
 P, N = 7_000_000_000, 8
 
@@ -103,3 +104,16 @@ def test_parse_bytes():
     assert parse_bytes("1.5 GiB") == 3 * 2**29
     with pytest.raises(Exception, match="--budget"):
         parse_bytes("lots")
+
+
+def test_hpz_secondary_is_p_c_over_g_at_stage_3_only() -> None:
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    policy = ModuleWrapPolicy({torch.nn.Linear})
+    stages = estimate_memory(model, world_size=8, auto_wrap_policy=policy, hpz_partition_size=4)
+    # four units of 64*64+64 = 4,160 elements, padded to 4,160 (a multiple of 8): 1/4 each
+    assert stages[3].bytes("hpz_secondary") == 4 * (4160 // 4) * 4
+    assert [e.bytes("hpz_secondary") for e in stages[:3]] == [0, 0, 0]
+    assert "hpz_secondary" in format_table(stages)
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="hpz_partition_size"):
+            estimate_memory(model, world_size=8, stage=3, hpz_partition_size=bad)
