@@ -3,7 +3,9 @@
 A config with ``"pipeline": {"stages": 2}`` and ZeRO-1/2/3 (which DeepSpeed's own
 pipeline engine refuses beyond stage 1) trains the MLP of ``pipeline_cases`` on 4 ranks
 (PP2 x DP2) with the losses and final parameters of single-process training on the same
-global batches, gradient clipping over all stages included.
+global batches, gradient clipping over all stages included. The same door at ZeRO-3 trains
+the benchmark's GPT (``benchmarks/gpt.py``, tiny) expressed as a layer list: embeddings,
+transformer blocks, final norm, head, with integer token ids entering stage 0.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import shardwrap
+from benchmarks import gpt
 from shardwrap.deepspeed.config import DeepSpeedConfig
 from tests.dist import pipeline_cases as pc
 from tests.dist.harness import run_ranks
@@ -104,3 +108,84 @@ def test_pipeline_engine_checkpoint_loads_as_plain_model(results):
         assert set(by_stage["plain"]) == set(whole)
         for name, value in whole.items():
             torch.testing.assert_close(by_stage["plain"][name], value, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------- a GPT as a layer list
+GPT_CONFIG = gpt.GPTConfig(vocab=32, dim=16, depth=2, num_heads=2, seq=8)
+GPT_MICRO, GPT_MICROBATCHES, GPT_STEPS = 2, 2, 3
+
+
+class Embed(nn.Module):
+    """The GPT's token and position embeddings as the pipeline's first layer."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+def _gpt_layers(model: gpt.GPT) -> list[nn.Module]:
+    return [Embed(model.tok, model.pos), *model.blocks, model.ln_f, model.head]
+
+
+def _gpt_names() -> dict[str, str]:
+    """PipelineModule parameter name (``"<layer>.<name>"``) -> the GPT's own name."""
+    model = gpt.build(GPT_CONFIG)
+    own = {id(p): n for n, p in model.named_parameters()}
+    return {
+        f"{i}.{n}": own[id(p)]
+        for i, layer in enumerate(_gpt_layers(model))
+        for n, p in layer.named_parameters()
+    }
+
+
+def _gpt_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ``dp`` ranks' micro-batches, rank by rank."""
+    return gpt.batch(GPT_CONFIG, step=step, rank=0, batch_size=dp * GPT_MICRO * GPT_MICROBATCHES)
+
+
+def _gpt_config() -> dict:
+    config = _config(3)
+    config["train_micro_batch_size_per_gpu"] = GPT_MICRO
+    config["gradient_accumulation_steps"] = GPT_MICROBATCHES
+    return config
+
+
+def gpt_worker(rank: int, world_size: int) -> dict:
+    layers = _gpt_layers(gpt.build(GPT_CONFIG))
+    model = shardwrap.pipe.PipelineModule(layers=layers, num_stages=PP, loss_fn=gpt.loss_fn)
+    engine, *_ = shardwrap.initialize(model=model, config=_gpt_config())
+    dp = world_size // PP
+    rows = GPT_MICRO * GPT_MICROBATCHES
+    losses = []
+    for step in range(GPT_STEPS):
+        x, y = _gpt_batch(step, dp)
+        mine = slice((rank % dp) * rows, (rank % dp + 1) * rows)
+        micro = zip(x[mine].split(GPT_MICRO), y[mine].split(GPT_MICRO), strict=True)
+        losses.append(float(engine.train_batch(iter(micro))))
+    return {"losses": losses, "final": dict(engine.module.state_dict())}
+
+
+def test_gpt_pipeline_zero3_matches_single_process():
+    """``"pipeline": {"stages": 2}`` with ZeRO-3 on 4 ranks trains the GPT as one process."""
+    model = gpt.build(GPT_CONFIG)
+    optim = DeepSpeedConfig.load(_gpt_config()).optimizer.build(model.parameters())
+    ref_losses = []
+    for step in range(GPT_STEPS):
+        x, y = _gpt_batch(step, WORLD // PP)
+        loss = gpt.loss_fn(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optim.step()
+        optim.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    ref = dict(model.named_parameters())
+    names, seen = _gpt_names(), set()
+    for rank, out in enumerate(run_ranks(gpt_worker, WORLD)):
+        torch.testing.assert_close(out["losses"], ref_losses, msg=f"rank {rank}")
+        for name, value in out["final"].items():
+            torch.testing.assert_close(value, ref[names[name]].detach(), msg=name)
+            seen.add(names[name])
+    assert seen == set(ref)
