@@ -22,9 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import shardwrap.__main__ as cli
 from shardwrap.ckpt.consolidate import consolidate
 from shardwrap.ckpt.format import SHARD_FILE_PATTERN
 from tests.dist import threed_cases as tc
+from tests.dist import threed_hf_cases as hc
 from tests.dist.harness import release_pool, run_ranks
 
 WORLD = tc.PP * tc.DP * tc.TP
@@ -121,3 +123,30 @@ def test_tp_replicas_without_tp_parameters_save_each_range_once(tmp_path):
     for rank, out in enumerate(run_ranks(tc.dp_load, 3, path)):
         assert out.pop("extra") == {"step": tc.CKPT_STEPS}
         _assert_same(out, saved[0], f"dp rank {rank}", **EXACT)
+
+
+def test_threed_hugging_face_llama_consolidates_for_from_pretrained(tmp_path):
+    """A tiny Llama, TP2 x PP2 x DP2 at ZeRO-3 (threed_hf_cases.py): trains as the plain
+    model in one process does; ``python -m shardwrap consolidate`` turns its checkpoint
+    into a folder that ``AutoModelForCausalLM.from_pretrained`` loads exactly."""
+    import transformers
+
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    shape = {"pp": tc.PP, "dp": tc.DP, "tp": tc.TP}
+    results = run_ranks(hc.train_worker, WORLD, shape, path)
+    ref_losses, ref_params = hc.reference_run(tc.DP)
+    for rank, result in enumerate(results):
+        if result["is_last"]:
+            torch.testing.assert_close(result["losses"], ref_losses, msg=f"rank {rank}")
+        mine = {name: ref_params[name] for name in result["model"]}
+        _assert_same(result["model"], mine, f"rank {rank}")
+        # fp32 AdamW at ZeRO-3: 16 bytes per element of the rank's TP share / DP (+ padding).
+        local, units = hc.local_numel(result["pp_rank"], tc.TP), result["units"]
+        assert 16 * local // tc.DP <= result["model_state_bytes"], rank
+        assert result["model_state_bytes"] <= 16 * (local + units * (tc.DP - 1)) // tc.DP, rank
+    trained = _union(results, "model")
+    assert set(trained) == set(ref_params)
+    assert cli.main(["consolidate", path, out, "--quiet"]) == 0
+    hc.config().save_pretrained(out)  # the config travels beside the weights, as documented
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    _assert_same(dict(loaded.state_dict()), trained, "from_pretrained", **EXACT)
