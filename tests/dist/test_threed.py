@@ -7,7 +7,10 @@ tests/dist/threed_cases.py. Losses and full parameters after 5 AdamW steps are c
 with single-process training on the global batch with ``assert_close``'s defaults (TP
 splits the matmuls' sums, so the bits may differ, not the values). Checkpoints: the
 3-D one loads at plain DP 3 and, consolidated, into the unwrapped model; one saved at
-plain DP loads into the 3-D layout; each exactly, model and optimizer state.
+plain DP loads into the 3-D layout; each exactly, model and optimizer state. A tiny
+Hugging Face Llama in two stages (tests/dist/threed_hf_cases.py) trains as the plain model
+does, and ``python -m shardwrap consolidate`` turns its checkpoint into a folder that
+``AutoModelForCausalLM.from_pretrained`` loads exactly.
 
 8 ranks on a small machine are slow to start (about 20 s of the module's 45 s on 2
 loaded cores), so the training (with the save) runs once, in a module fixture, the loads
