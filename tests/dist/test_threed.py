@@ -14,7 +14,8 @@ does, and ``python -m shardwrap consolidate`` turns its checkpoint into a folder
 
 8 ranks on a small machine are slow to start (about 20 s of the module's 45 s on 2
 loaded cores), so the training (with the save) runs once, in a module fixture, the loads
-in one test, and the 8-rank pool, used by no other module, ends with this one.
+in one test, and the 8-rank pool, used by no other module, ends with this one (the Llama
+test reuses it: about 5 s more, measured on the shared machine).
 """
 
 from __future__ import annotations
