@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import shardwrap
 from shardwrap.features.pipeline_stage import ShardedPipelineStage
 from shardwrap.policies import ModuleWrapPolicy
+from tests.dist.tp_cases import model_state_bytes
 
 PP, DP, TP = 2, 2, 2
 DIM, HIDDEN, NUM_BLOCKS = 8, 16, 4  # blocks 0..3, then the head (layer 4)
@@ -145,7 +146,7 @@ def train(strategy: str, schedule: str, infer: bool, save_to: str | None = None)
         )
         reductions.append(_grad_reductions(module))
         optim.step()
-        state_bytes = _model_state_bytes(optim)  # with the step's gradients still held
+        state_bytes = model_state_bytes(optim)  # with the step's gradients still held
         optim.zero_grad()
         if stage.is_last:
             mean = torch.stack(step_losses).mean().reshape(1)
@@ -162,20 +163,6 @@ def train(strategy: str, schedule: str, infer: bool, save_to: str | None = None)
         "pp_rank": mesh["pp"].get_local_rank(),
         **full_state(module, optim),
     }
-
-
-def _model_state_bytes(optim) -> int:
-    """Bytes of what the optimizer holds: parameter shards, their gradients, its state."""
-    total = 0
-    for group in optim.param_groups:
-        for param in group["params"]:
-            tensors = [param, param.grad, *optim.state[param].values()]
-            total += sum(
-                t.numel() * t.element_size()
-                for t in tensors
-                if isinstance(t, torch.Tensor) and t.dim() > 0
-            )
-    return total
 
 
 def local_numel(pp_rank: int) -> int:
@@ -220,16 +207,21 @@ def load_worker(rank: int, world_size: int, strategy: str, path: str) -> dict:
 
 
 # --------------------------------------------------------- plain data parallelism
-def dp_load_then_save(rank: int, world_size: int, path: str, save_to: str) -> dict:
-    """Plain DP (ZeRO-1, ``world_size`` ranks): load the 3-D checkpoint (``"loaded"``),
-    train CKPT_STEPS more steps and save (``"saved"``): the reverse direction's input."""
+def _dp_loaded(path: str):
+    """A plain ZeRO-1 model and optimizer from fresh values, ``path`` loaded into them."""
     module = shardwrap.ShardedModule(
         whole_model(seed=99),
         sharding_strategy="SHARD_OPTIM",
         auto_wrap_policy=ModuleWrapPolicy({Block}),
     )
     optim = torch.optim.AdamW(module.parameters(), lr=0.01)
-    extra = shardwrap.load_checkpoint(path, module, optim)
+    return module, optim, shardwrap.load_checkpoint(path, module, optim)
+
+
+def dp_load_then_save(rank: int, world_size: int, path: str, save_to: str) -> dict:
+    """Plain DP (ZeRO-1, ``world_size`` ranks): load the 3-D checkpoint (``"loaded"``),
+    train CKPT_STEPS more steps and save (``"saved"``): the reverse direction's input."""
+    module, optim, extra = _dp_loaded(path)
     loaded = {**full_state(module, optim), "extra": extra}
     for step in range(CKPT_STEPS):
         x, y = local_batch(step, rank, world_size)
@@ -261,11 +253,5 @@ def tp_replicas_save(rank: int, world_size: int, path: str) -> dict:
 
 def dp_load(rank: int, world_size: int, path: str) -> dict:
     """Plain DP (ZeRO-1, ``world_size`` ranks), fresh values: load; the whole state."""
-    module = shardwrap.ShardedModule(
-        whole_model(seed=99),
-        sharding_strategy="SHARD_OPTIM",
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
-    )
-    optim = torch.optim.AdamW(module.parameters(), lr=0.01)
-    extra = shardwrap.load_checkpoint(path, module, optim)
+    module, optim, extra = _dp_loaded(path)
     return {**full_state(module, optim), "extra": extra}

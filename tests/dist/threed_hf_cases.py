@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import shardwrap
 from shardwrap.features.pipeline_stage import ShardedPipelineStage
 from shardwrap.policies import ModuleWrapPolicy
-from tests.dist.threed_cases import _model_state_bytes as model_state_bytes
+from tests.dist.tp_cases import model_state_bytes
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 64, 32, 4, 4, 8
 MICRO_BATCH, NUM_MICROBATCHES, NUM_STEPS = 2, 2, 3

@@ -194,7 +194,7 @@ def train_tp(
         if max_norm is not None:
             norms.append(sharded.clip_grad_norm_(max_norm))
         optim.step()
-        state_bytes = _model_state_bytes(optim)
+        state_bytes = model_state_bytes(optim)
         optim.zero_grad()
         losses.append(_mean_over_dp(loss.detach(), mesh))
     handle.remove()
@@ -211,7 +211,7 @@ def train_tp(
     }
 
 
-def _model_state_bytes(optim) -> int:
+def model_state_bytes(optim) -> int:
     """Bytes of what the optimizer holds: parameter shards, their gradients, its state."""
     total = 0
     for group in optim.param_groups:
