@@ -122,8 +122,6 @@ def build_model(args) -> BigGPT:
 def wrap(args, model, offload_dir: str):
     """(forward, backward, step, model) through ``ShardedModule`` or ``initialize``."""
     if args.door == "deepspeed":
-        from shardwrap.deepspeed import initialize
-
         nvme = {"device": "nvme", "nvme_path": offload_dir}
         config = {
             "train_micro_batch_size_per_gpu": args.batch,
@@ -136,7 +134,7 @@ def wrap(args, model, offload_dir: str):
                 "sub_group_size": args.sub_group_size,
             },
         }
-        engine, optim, _, _ = initialize(
+        engine, optim, _, _ = shardwrap.initialize(
             model=model, config=config, auto_wrap_policy=unit_policy(model)
         )
         return engine, engine.backward, engine.step, engine.module, optim

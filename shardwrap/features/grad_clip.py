@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ..base.pages import release_resident
+
 if TYPE_CHECKING:
     from ..runtime.step import StepRuntime
 
@@ -50,6 +52,7 @@ def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
             total = torch.maximum(total, values.max() if values.numel() else total)
         else:
             total = total + values.pow(norm_type).sum()
+        release_resident(grad)  # DiskOffload: [Note: releasing mapped pages where they are touched]
     return total
 
 
@@ -121,4 +124,5 @@ def clip_grad_norm_(
     for grad in grads:
         # CPUOffload: shard gradients are host tensors, others may be on the device.
         grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
+        release_resident(grad)
     return total.to(dtype)
