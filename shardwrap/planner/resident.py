@@ -12,26 +12,29 @@ for bf16), ``b`` per master element (4), ``k`` Adam states, ``S`` the sub-group 
 
     process       torch, gloo and Python (measured: PROCESS_BYTES)
     backward through a layer (the highest point of forward and backward, ZeRO-3,
-    activation checkpointing in every layer):
-      gathered      2 U c          the layer computing and the one prefetched
-      gradients     (3 + 2/N) U c  its local gradients and their flat copy; the previous
-                                   layer's flat copy and reduced chunk, still in flight;
-                                   the pairwise exchange's chunk
+    activation checkpointing in every layer), with X = max(U, E) the unit before it:
+      gathered      (2 + 1/N) U c     the layer computing, the one prefetched, the cast
+                                      shard that prefetch gathers from
+      gradients     2 U c             its local gradients and their flat copy
+      in flight     X c + X/N (c + b) the previous unit's reduction: its flat copy, the
+                                      reduced chunk, and the fp32 gradient pages written
       activations   L T h c + 64 T h c   the layers' saved inputs; one layer recomputed,
-                                   with its activations' gradients and attention's buffers
-    backward through the head (when E > U the higher one can be this):
-      gathered      (E + U) c      the head and the layer prefetched
-      gradients     (2 + 1/N) E c  its local gradients, their flat copy, the reduced chunk
-      activations   L T h c + T V (c + 2 b)   saved inputs; logits, their fp32 loss copy
-                                   and its gradient
+                                      with its activations' gradients and attention's buffers
+    backward through the head:
+      gathered      E c + (1 + 1/N) U c   the head, the layer prefetched and its cast shard
+      gradients     2 E c             its local gradients and their flat copy
+      activations   L T h c + T V (c + 3 b)   saved inputs; logits, their fp32 loss copy,
+                                      its gradient and the softmax's
     optimizer step:
-      sub-group     S b (2 + k)    its master, gradient and state pages
-      temporaries   2 min(S, max(U, E) / N) b   what Adam's per-tensor step allocates
-      kept          max(U, E) c    the largest reduce-scatter input, kept for the next step
+      sub-group     S b (2 + k)       its master, gradient and state pages
+      temporaries   2 min(S, X / N) b what Adam's per-tensor step allocates
+      kept          (U + E) c         reduce-scatter inputs kept for the next step, one of
+                                      each unit size (runtime/schedule.py's ScratchPool)
 
 peak = process + the highest of the three. The model's size enters only through ``U``,
 ``E`` and ``L``; the files hold ``P b (2 + k) / N`` bytes per rank on disk. Measured
-against ``benchmarks/bench_beyond_ram.py`` in benchmarks/RESULTS.md (within 10% at 0.2B).
+against ``benchmarks/bench_beyond_ram.py`` in benchmarks/RESULTS.md (within 7% at
+0.2-0.4B parameters).
 """
 
 from __future__ import annotations
@@ -129,11 +132,13 @@ Terms = tuple[tuple[str, int, str], ...]
 
 
 def _layer_terms(shape: DiskRunShape) -> Terms:
-    u, n, c = shape.layer_params, shape.world_size, shape.compute_bytes
+    u, n, c, b = shape.layer_params, shape.world_size, shape.compute_bytes, shape.master_bytes
     t, h = shape.tokens_per_rank, shape.hidden
+    x = max(u, shape.vocab * h)
     return (
-        ("gathered", 2 * u * c, f"2 U c = 2 x {u:,} x {c}"),
-        ("gradients", 3 * u * c + 2 * -(-u // n) * c, f"(3 + 2/N) U c, N = {n}"),
+        ("gathered", 2 * u * c + -(-u // n) * c, f"(2 + 1/N) U c, U = {u:,}, N = {n}"),
+        ("gradients", 2 * u * c, f"2 U c = 2 x {u:,} x {c}"),
+        ("in flight", x * c + -(-x // n) * (c + b), f"X c + X/N (c + b), X = {x:,}"),
         (
             "activations",
             shape.layers * t * h * c + LAYER_ACTIVATIONS * t * h * c,
@@ -147,24 +152,24 @@ def _head_terms(shape: DiskRunShape) -> Terms:
     t, v = shape.tokens_per_rank, shape.vocab
     e = v * shape.hidden
     return (
-        ("gathered", (e + u) * c, f"(E + U) c, E = V h = {e:,}"),
-        ("gradients", 2 * e * c + -(-e // n) * c, "(2 + 1/N) E c"),
+        ("gathered", e * c + u * c + -(-u // n) * c, f"E c + (1 + 1/N) U c, E = V h = {e:,}"),
+        ("gradients", 2 * e * c, "2 E c"),
         (
             "activations",
-            shape.layers * t * shape.hidden * c + t * v * (c + 2 * b),
-            f"L T h c + T V (c + 2b), V = {v:,}",
+            shape.layers * t * shape.hidden * c + t * v * (c + 3 * b),
+            f"L T h c + T V (c + 3b), V = {v:,}",
         ),
     )
 
 
 def _step_terms(shape: DiskRunShape) -> Terms:
     b, c, k, s = shape.master_bytes, shape.compute_bytes, shape.num_states, shape.sub_group_size
-    largest = max(shape.layer_params, shape.vocab * shape.hidden)
-    piece = min(s, -(-largest // shape.world_size))
+    u, e = shape.layer_params, shape.vocab * shape.hidden
+    piece = min(s, -(-max(u, e) // shape.world_size))
     return (
         ("sub-group", s * b * (2 + k), f"S b (2 + k) = {s:,} x {b} x {2 + k}"),
-        ("temporaries", 2 * piece * b, f"2 min(S, max(U, E)/N) b = 2 x {piece:,} x {b}"),
-        ("kept", largest * c, f"max(U, E) c = {largest:,} x {c}"),
+        ("temporaries", 2 * piece * b, f"2 min(S, X/N) b = 2 x {piece:,} x {b}"),
+        ("kept", (u + e) * c, f"(U + E) c = {u + e:,} x {c}"),
     )
 
 
