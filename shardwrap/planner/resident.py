@@ -27,7 +27,8 @@ for bf16), ``b`` per master element (4), ``k`` Adam states, ``S`` the sub-group 
                                       its gradient and the softmax's
     optimizer step:
       sub-group     S b (2 + k)       its master, gradient and state pages
-      temporaries   2 min(S, X / N) b what Adam's per-tensor step allocates
+      temporaries   min(S, X / N) b   Adam's per-tensor denominator (sqrt(exp_avg_sq) + eps)
+                                      for the largest piece it steps
       kept          (U + E) c         reduce-scatter inputs kept for the next step, one of
                                       each unit size (runtime/schedule.py's ScratchPool)
 
@@ -168,7 +169,7 @@ def _step_terms(shape: DiskRunShape) -> Terms:
     piece = min(s, -(-max(u, e) // shape.world_size))
     return (
         ("sub-group", s * b * (2 + k), f"S b (2 + k) = {s:,} x {b} x {2 + k}"),
-        ("temporaries", 2 * piece * b, f"2 min(S, X/N) b = 2 x {piece:,} x {b}"),
+        ("temporaries", piece * b, f"min(S, X/N) b = {piece:,} x {b}"),
         ("kept", (u + e) * c, f"(U + E) c = {u + e:,} x {c}"),
     )
 
