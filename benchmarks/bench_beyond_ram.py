@@ -304,6 +304,8 @@ def print_report(args, reports: list[dict]) -> None:
                 f"rank {rank} save {save['s']:.1f}s peak {gib(save['peak'])} GiB "
                 f"written {gib(save['written'])} GiB"
             )
+    vm_data = " / ".join(gib(r["vm_data"]) for r in reports)
+    print(f"VmData at the end (RLIMIT_DATA counts it): {vm_data} GiB")
     measured = [max(s["peak"] for s in r["steps"]) for r in reports]
     from shardwrap.planner.resident import DiskRunShape
 

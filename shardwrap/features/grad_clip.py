@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing; so do we, so that
 # both clip by exactly the same factor.
 _CLIP_EPS = 1e-6
+# Elements of a gradient whose norm is taken at once (float64 copies of 32 MiB at most).
+NORM_PIECE = 1 << 22
 
 
 def _check_norm_type(norm_type: float) -> float:
@@ -47,11 +49,13 @@ def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """max |g| for inf, else sum |g|^p, in float32 (or wider), over ``grads``."""
     total = torch.zeros((), dtype=torch.float64)
     for grad in grads:
-        values = grad.detach().to(torch.float64).abs()
-        if norm_type == math.inf:
-            total = torch.maximum(total, values.max() if values.numel() else total)
-        else:
-            total = total + values.pow(norm_type).sum()
+        # In pieces, so the float64 copies stay small next to a large (disk-offloaded) shard.
+        for piece in grad.detach().reshape(-1).split(NORM_PIECE):
+            values = piece.to(torch.float64).abs()
+            if norm_type == math.inf:
+                total = torch.maximum(total, values.max() if values.numel() else total)
+            else:
+                total = total + values.pow(norm_type).sum()
         release_resident(grad)  # DiskOffload: [Note: releasing mapped pages where they are touched]
     return total
 
