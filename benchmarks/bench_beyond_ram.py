@@ -162,6 +162,7 @@ def train(rank: int, args) -> dict:
     torch.manual_seed(0)
     forward, backward, step, sharded, optim = wrap(args, build_model(args), args.offload_dir)
     report["init"] = meter.done()
+    print(f"rank {rank} init: {report['init']}", flush=True)
     report["num_params"] = sum(p.numel() for p in sharded.parameters())
     config = gpt.GPTConfig(
         vocab=args.vocab, dim=args.dim, depth=args.depth, num_heads=args.heads, seq=args.seq
@@ -189,6 +190,7 @@ def train(rank: int, args) -> dict:
                 "written": bwd["written"] + stepped["written"],
             }
         )
+        print(f"rank {rank} step {len(report['steps']) - 1}: {report['steps'][-1]}", flush=True)
     if args.save:
         from shardwrap.checkpoint import save_checkpoint
 
