@@ -2,8 +2,9 @@
 
 Run (the full size, about 2.5B parameters and 40 GB of model state; see RESULTS.md):
     PYTHONPATH=$PWD python benchmarks/bench_beyond_ram.py --offload-dir /tmp/offload \
-        --data-limit-gib 8 --save /tmp/ckpt --consolidate /tmp/hf
-Medium scale: ``--dim 1024 --depth 8 --vocab 32000`` (about 170M parameters).
+        --data-limit-gib 6 [--save /tmp/ckpt --consolidate /tmp/hf]
+Medium scale: ``--dim 1024 --depth 12 --heads 16`` (0.22B parameters), ``--dim 2048 --depth 5
+--heads 16`` (0.38B).
 
 Two CPU ranks (gloo), each one process. The model is built on the meta device and
 materialised one unit (a block, an embedding, the head) at a time straight into the
@@ -13,8 +14,10 @@ steps on one fixed batch. Per step and rank: the loss, the time of forward, back
 ``optimizer.step()``, the peak resident set (VmHWM, restarted each step) and the bytes
 read and written on disk (/proc/self/io). At the end the planner's resident peak for the
 same configuration (``python -m shardwrap estimate --offload nvme``) beside the measured
-one. ``--door deepspeed`` runs the same through ``shardwrap.deepspeed.initialize`` with
-``offload_param``/``offload_optimizer`` ``{device: nvme}``.
+one. ``--door deepspeed`` runs the same through ``shardwrap.initialize`` with
+``offload_param``/``offload_optimizer`` ``{device: nvme}`` (and DeepSpeed's default gradient
+clipping at 1.0). ``--save``/``--consolidate``: then ``save_checkpoint`` and
+``python -m shardwrap consolidate`` into a Hugging Face folder, with their peaks.
 
 ``--data-limit-gib``: RLIMIT_DATA of each rank, a guard that makes a run which would
 swap fail instead (anonymous memory only: the mapped files do not count against it).
@@ -26,6 +29,7 @@ import argparse
 import ctypes
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -218,7 +222,12 @@ def fixed_malloc_thresholds(num_bytes: int) -> None:
             raise OSError(f"mallopt({option}, {num_bytes}) failed")
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
 def rank_main(rank: int, args, init_file: str, queue) -> None:
+    # End with the parent (killed by a timeout, say) instead of running on alone.
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if args.data_limit_gib:
         limit = int(args.data_limit_gib * GIB)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
