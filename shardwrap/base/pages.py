@@ -31,8 +31,10 @@ if _libc is not None:
 
 
 def is_file_backed(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory is a mapped file."""
-    return tensor.device.type == "cpu" and tensor.untyped_storage().filename is not None
+    """Whether ``tensor``'s memory is a mapped file (never a tensor subclass's, a DTensor's)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu":
+        return False
+    return tensor.untyped_storage().filename is not None
 
 
 def release_resident(tensor: torch.Tensor) -> None:

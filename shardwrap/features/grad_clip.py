@@ -49,8 +49,10 @@ def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """max |g| for inf, else sum |g|^p, in float32 (or wider), over ``grads``."""
     total = torch.zeros((), dtype=torch.float64)
     for grad in grads:
-        # In pieces, so the float64 copies stay small next to a large (disk-offloaded) shard.
-        for piece in grad.detach().reshape(-1).split(NORM_PIECE):
+        # In pieces, so the float64 copies stay small next to a large (disk-offloaded) shard
+        # (a tensor subclass, a DTensor, whole).
+        plain = type(grad) is torch.Tensor
+        for piece in grad.detach().reshape(-1).split(NORM_PIECE) if plain else [grad.detach()]:
             values = piece.to(torch.float64).abs()
             if norm_type == math.inf:
                 total = torch.maximum(total, values.max() if values.numel() else total)
