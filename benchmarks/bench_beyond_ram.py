@@ -114,17 +114,21 @@ class Meter:
         }
 
 
-def build_model(args) -> BigGPT:
-    config = gpt.GPTConfig(
+def config_of(args) -> gpt.GPTConfig:
+    return gpt.GPTConfig(
         vocab=args.vocab, dim=args.dim, depth=args.depth, num_heads=args.heads, seq=args.seq
     )
+
+
+def build_model(args) -> BigGPT:
+    """The model on the meta device: no storage until ShardedModule materialises each unit."""
     with torch.device("meta"):
-        model = BigGPT(config)
-    return model
+        return BigGPT(config_of(args))
 
 
 def wrap(args, model, offload_dir: str):
-    """(forward, backward, step, model) through ``ShardedModule`` or ``initialize``."""
+    """(forward, backward, step, wrapped model, optimizer), through ``ShardedModule`` or
+    ``initialize``."""
     if args.door == "deepspeed":
         nvme = {"device": "nvme", "nvme_path": offload_dir}
         config = {
@@ -168,10 +172,7 @@ def train(rank: int, args) -> dict:
     report["init"] = meter.done()
     print(f"rank {rank} init: {report['init']}", flush=True)
     report["num_params"] = sum(p.numel() for p in sharded.parameters())
-    config = gpt.GPTConfig(
-        vocab=args.vocab, dim=args.dim, depth=args.depth, num_heads=args.heads, seq=args.seq
-    )
-    inputs, targets = gpt.batch(config, step=0, rank=rank, batch_size=args.batch)
+    inputs, targets = gpt.batch(config_of(args), step=0, rank=rank, batch_size=args.batch)
     for _ in range(args.steps):
         meter = Meter()
         loss = gpt.loss_fn(forward(inputs).float(), targets)
