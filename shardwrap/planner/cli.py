@@ -170,7 +170,6 @@ def print_resident_peak(args: argparse.Namespace) -> None:
     for name in ("vocab", "tokens_per_rank"):
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')}: expected a number >= 0")
-    shard = -(-args.params // args.world_size)
     shape = DiskRunShape(
         num_params=args.params,
         world_size=args.world_size,
@@ -179,7 +178,7 @@ def print_resident_peak(args: argparse.Namespace) -> None:
         layers=model.num_layers,
         tokens_per_rank=args.tokens_per_rank,
         vocab=args.vocab,
-        sub_group_size=min(args.sub_group_size, shard),
+        sub_group_size=args.sub_group_size,
         compute_bytes=2 if args.bf16 else 4,
         num_states=OPTIMIZER_STATES[args.optimizer],
     )

@@ -26,7 +26,7 @@ for bf16), ``b`` per master element (4), ``k`` Adam states, ``S`` the sub-group 
       activations   L T h c + T V (c + 3 b)   saved inputs; logits, their fp32 loss copy,
                                       its gradient and the softmax's
     optimizer step:
-      sub-group     S b (2 + k)       its master, gradient and state pages
+      sub-group     S b (2 + k)       its master, gradient and state pages (S at most P/N)
       temporaries   min(S, X / N) b   Adam's per-tensor denominator (sqrt(exp_avg_sq) + eps)
                                       for the largest piece it steps
       kept          (U + E) c         reduce-scatter inputs kept for the next step, one of
@@ -164,7 +164,9 @@ def _head_terms(shape: DiskRunShape) -> Terms:
 
 
 def _step_terms(shape: DiskRunShape) -> Terms:
-    b, c, k, s = shape.master_bytes, shape.compute_bytes, shape.num_states, shape.sub_group_size
+    b, c, k = shape.master_bytes, shape.compute_bytes, shape.num_states
+    # A sub-group holds at most the rank's shard.
+    s = min(shape.sub_group_size, -(-shape.num_params // shape.world_size))
     u, e = shape.layer_params, shape.vocab * shape.hidden
     piece = min(s, -(-max(u, e) // shape.world_size))
     return (
