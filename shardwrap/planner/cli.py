@@ -164,6 +164,8 @@ def print_resident_peak(args: argparse.Namespace) -> None:
     peak under disk offload])."""
     if args.largest_unit_params is not None:
         raise SystemExit("--offload nvme: give --layers/--hidden, not --largest-unit-params")
+    if args.tp * args.pp > 1:
+        raise SystemExit("--offload nvme: the resident peak is modelled for --tp 1 --pp 1 only")
     model = assumed_shape(args.params, args.layers, args.hidden)
     if model.hidden == 0:
         raise SystemExit("--offload nvme: the model is too small for a decoder shape")

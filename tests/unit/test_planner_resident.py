@@ -74,3 +74,5 @@ def test_estimate_offload_nvme(capsys):
     # The sub-group cannot hold more than the rank's shard.
     assert main([*argv, *shape, "--sub-group-size", "2e9"]) == 0
     assert "S b (2 + k) = 1,265,000,000 x 4 x 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--tp 1 --pp 1"):
+        main([*argv, *shape, "--tp", "2"])
