@@ -35,7 +35,7 @@ for bf16), ``b`` per master element (4), ``k`` Adam states, ``S`` the sub-group 
 peak = process + the highest of the three. The model's size enters only through ``U``,
 ``E`` and ``L``; the files hold ``P b (2 + k) / N`` bytes per rank on disk. Measured
 against ``benchmarks/bench_beyond_ram.py`` in benchmarks/RESULTS.md (-5% to +2% at
-0.2-0.4B parameters).
+0.2-2.5B parameters).
 """
 
 from __future__ import annotations
