@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .base.pages import release_resident
 from .base.torch_compat import preserve_version_counter
 from .comm.collectives import ROOT_LABEL, Communicator
 from .core.comm_quant import UnitCommQuant
@@ -166,6 +167,7 @@ class FlatParamHandle:
             placed = shard_allocator(self.unit_name, layout.shard_numel, dtype)
             with torch.no_grad():
                 placed.copy_(flat_shard)
+            release_resident(placed)  # [Note: releasing mapped pages where they are touched]
             flat_shard = placed
             if self.num_shards == 1 and self.host_staging is None:
                 flat_init = placed
@@ -313,6 +315,8 @@ class FlatParamHandle:
             pending.staged.wait_copied()
         self._pending = None
         self._gathered_version = pending.version
+        # The gather has read the shard: [Note: releasing mapped pages where they are touched]
+        release_resident(self.flat_shard)
 
     def _allocate_full(self) -> None:
         """Give ``flat_full`` its storage back if a reshard released it."""

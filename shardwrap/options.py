@@ -226,7 +226,7 @@ class ShardedStateDictConfig:
 
 @dataclass(frozen=True, slots=True)
 class DiskOffload:
-    """Keep fp32 master shards and Adam/AdamW state in memory-mapped files under ``path``.
+    """Keep fp32 master shards, their gradients and Adam/AdamW state in mapped files in ``path``.
 
     Pass it as ``ShardedModule(..., cpu_offload=DiskOffload(path))``; see
     :mod:`shardwrap.offload.disk`. ``path`` must be an existing, writable directory.

@@ -5,7 +5,8 @@ share storage (our pieces are views of one flat shard). The format is simple eno
 stream: an 8-byte little-endian header length, a JSON header with each tensor's dtype,
 shape and byte range, then the raw little-endian bytes in header order. We compute the
 header from shapes alone, then write each tensor as it is produced, hashing on the way, so
-peak memory is one tensor.
+peak memory is one tensor (a tensor in a mapped file, ``DiskOffload``'s, is released
+from the process once written).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base.dtypes import SAFETENSORS_CODES
+from ..base.pages import release_resident
 from .format import DEFAULT_CHUNK_BYTES, TEMP_SUFFIX, ChunkHasher, fsync_dir, tensor_bytes
 
 _ALIGN = 8
@@ -103,11 +105,14 @@ def _write_temp(temp: str, head: bytes, items: list[StreamItem], chunk_bytes: in
     with open(temp, "wb") as handle:
         handle.write(head)
         for item in items:
-            data = _raw_bytes(item)
+            tensor, data = _raw_bytes(item)
             chunks.update(data)
             file_digest.update(data)
             handle.write(data)
             size += len(data)
+            del data
+            # DiskOffload: [Note: releasing mapped pages where they are touched]
+            release_resident(tensor)
         handle.flush()
         os.fsync(handle.fileno())
     return size, file_digest, chunks.finish()
@@ -118,11 +123,12 @@ def _remove_quietly(path: str) -> None:
         os.remove(path)
 
 
-def _raw_bytes(item: StreamItem) -> memoryview:
+def _raw_bytes(item: StreamItem) -> tuple[torch.Tensor, memoryview]:
+    """The tensor ``item`` produces, and its bytes."""
     tensor = item.produce().detach()
     if tensor.dtype != item.dtype or tuple(tensor.shape) != item.shape:
         raise RuntimeError(
             f"tensor {item.key!r}: produced {tensor.dtype} {tuple(tensor.shape)}, announced "
             f"{item.dtype} {item.shape}"
         )
-    return tensor_bytes(tensor)
+    return tensor, tensor_bytes(tensor)

@@ -4,6 +4,18 @@ The gradient half of :class:`~shardwrap.flat_param.FlatParamHandle`: the handle 
 one :class:`UnitGrads` from its layout, views and communicators and holds it as
 ``handle.grads``. The tensor work itself is in :mod:`.grad_transfer`; where each gradient
 goes in the flat buffer, in :mod:`shardwrap.layout.grad_slots` ([Note: packed gradients]).
+
+[Note: gradients in a grad store]
+A reduced gradient shard normally lives in ordinary memory from the unit's reduction to
+``zero_grad``: for a model whose state exceeds the machine's memory, all of them together
+(4 bytes per parameter element of the shard) are one more full-size copy. With a grad
+store (``DiskOffload``'s disk store, :meth:`UnitGrads.keep_reduced_in`), each reduced
+chunk is cast into a buffer the store hands out (a mapped file, kept from step to step
+while nothing else holds it), its pages are released at once ([Note: releasing mapped
+pages where they are touched] in base/pages.py), and the shard views' gradients are views
+of it; the streamed optimizer step reads them back a sub-group at a time. The cast and
+the scaling are the ones done in memory, in the same order, so the values are the same
+bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..base.pages import release_resident
 from ..base.quantize import BlockCodec
 from ..comm import quantized
 from ..comm.collectives import Communicator
@@ -22,7 +35,7 @@ from ..layout.flat import FlatLayout
 from ..layout.grad_slots import GradSlots, chunk_split
 from .grad_buffers import ReusableGradBuffer, ScratchPool
 from .grad_transfer import assign_reduced, flatten_local_grads
-from .storage import HostStorage
+from .storage import GradStore, HostStorage
 from .tensor_parallel import TPSpec
 
 
@@ -86,6 +99,11 @@ class UnitGrads:
         self._grad_buffer = ReusableGradBuffer()  # plain data parallel only
         # qgZ: quantize the reduce-scatter ([Note: ZeRO++ in a unit] in core/comm_quant.py)
         self.grad_codec: BlockCodec | None = None
+        self.grad_store: GradStore | None = None  # [Note: gradients in a grad store]
+
+    def keep_reduced_in(self, store: GradStore) -> None:
+        """Keep reduced gradients in ``store`` from now on ([Note: gradients in a grad store])."""
+        self.grad_store = store
 
     def rename(self, layout: FlatLayout, comm_label: str) -> None:
         """Follow the handle's :meth:`~shardwrap.flat_param.FlatParamHandle.rename`."""
@@ -177,6 +195,9 @@ class UnitGrads:
                 unit=self.comm_label,
                 codec=self.grad_codec,
             ).wait()
+        if self.grad_store is not None and self.pending_grad_shard is None:
+            self.pending_grad_shard = self._stored(reduced)
+            return
         reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
         if self.host_staging is not None:  # the optimizer steps on the host
             reduced = self.host_staging.to_host(reduced)
@@ -184,6 +205,16 @@ class UnitGrads:
             self.pending_grad_shard = reduced
         else:
             self.pending_grad_shard.add_(reduced)
+            release_resident(self.pending_grad_shard)
+
+    def _stored(self, reduced: torch.Tensor) -> torch.Tensor:
+        """``reduced`` cast and scaled into the grad store's buffer, its pages released."""
+        store = self.grad_store
+        assert store is not None
+        kept = store.grad_buffer(self, self.comm_label, reduced.numel(), self.dtype)
+        kept.copy_(reduced).div_(self.data_parallel_size)
+        release_resident(kept)
+        return kept
 
     def _flatten_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         flat_grad = out
@@ -212,8 +243,12 @@ class UnitGrads:
                 piece_of,
                 pending,
                 global_present,
-                pending_is_kept=self._pending_is_kept,
+                pending_is_kept=self._pending_is_kept or self.grad_store is not None,
             )
+            if self.grad_store is not None:  # accumulated into: release what was touched
+                for param in self.shard_params:
+                    if param.grad is not None:
+                        release_resident(param.grad)
 
     def _piece_finder(self, reduced_chunk: torch.Tensor) -> Callable[[int], torch.Tensor]:
         """``index -> _grad_piece(reduced_chunk, index)``, with the chunk cut up once."""

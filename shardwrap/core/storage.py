@@ -48,3 +48,16 @@ class HostStorage(Protocol):
     def to_host(self, device_tensor: torch.Tensor) -> torch.Tensor:
         """A new host tensor holding ``device_tensor``'s values (1-D)."""
         ...
+
+
+@runtime_checkable
+class GradStore(Protocol):
+    """Where a unit's reduced gradients are kept until the optimizer steps (``DiskOffload``).
+
+    See [Note: gradients in a grad store] in ``core/grads.py``.
+    """
+
+    def grad_buffer(self, owner: object, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D buffer of ``numel`` elements for ``owner``'s reduced gradient (contents
+        undefined) that nothing else holds: the one kept for ``owner`` when it is free."""
+        ...

@@ -24,12 +24,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ..base.pages import release_resident
+
 if TYPE_CHECKING:
     from ..runtime.step import StepRuntime
 
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing; so do we, so that
 # both clip by exactly the same factor.
 _CLIP_EPS = 1e-6
+# Elements of a gradient whose norm is taken at once (float64 copies of 32 MiB at most).
+NORM_PIECE = 1 << 22
 
 
 def _check_norm_type(norm_type: float) -> float:
@@ -45,11 +49,16 @@ def _partial(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """max |g| for inf, else sum |g|^p, in float32 (or wider), over ``grads``."""
     total = torch.zeros((), dtype=torch.float64)
     for grad in grads:
-        values = grad.detach().to(torch.float64).abs()
-        if norm_type == math.inf:
-            total = torch.maximum(total, values.max() if values.numel() else total)
-        else:
-            total = total + values.pow(norm_type).sum()
+        # In pieces, so the float64 copies stay small next to a large (disk-offloaded) shard
+        # (a tensor subclass, a DTensor, whole).
+        plain = type(grad) is torch.Tensor
+        for piece in grad.detach().reshape(-1).split(NORM_PIECE) if plain else [grad.detach()]:
+            values = piece.to(torch.float64).abs()
+            if norm_type == math.inf:
+                total = torch.maximum(total, values.max() if values.numel() else total)
+            else:
+                total = total + values.pow(norm_type).sum()
+        release_resident(grad)  # DiskOffload: [Note: releasing mapped pages where they are touched]
     return total
 
 
@@ -121,4 +130,5 @@ def clip_grad_norm_(
     for grad in grads:
         # CPUOffload: shard gradients are host tensors, others may be on the device.
         grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
+        release_resident(grad)
     return total.to(dtype)

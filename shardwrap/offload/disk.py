@@ -20,6 +20,12 @@ them. A step streamed in sub-groups releases each sub-group's pages as soon as i
 stepped, so the step's peak holds about one sub-group of state (shardwrap/offload/disk_step.py).
 Linux only; elsewhere the release is skipped.
 
+[Note: gradients on disk]
+The gradients handed to the optimizer are as large as the master shard. The store keeps
+each unit's reduced gradient in a mapped buffer too (``grad_buffer``; see [Note: gradients
+in a grad store] in core/grads.py), reused from step to step while nothing holds it (after
+``zero_grad``), else replaced by a new one; the streamed step releases them with the rest.
+
 [Note: optimizer state on disk]
 torch's Adam/AdamW create their state lazily (zeros and a step counter) on the first
 step a parameter has a gradient. A step pre-hook on the optimizer (registered the first
@@ -48,8 +54,10 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ..base.pages import is_file_backed, release_resident
+from ..core.grad_buffers import held_only_by
 from ..flat_param import FlatParamHandle, holds_shards_of
-from .disk_step import StreamedStep, release_resident
+from .disk_step import StreamedStep
 
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
 _LIVE_DIRECTORIES: set[str] = set()
@@ -95,6 +103,8 @@ class DiskStore:
         # (handle, state name, parameter index) slots given to an optimizer's state once.
         self._handed_out: set[tuple[int, str, int]] = set()
         self._mapped: list[torch.Tensor] = []  # every mapped buffer, for release_pages
+        # Reduced gradients, one buffer per unit, reused while free ([Note: gradients on disk]).
+        self._grad_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._hook = None
         self._release_hook = None
         # The streamed step of each optimizer seen stepping our shards.
@@ -103,27 +113,45 @@ class DiskStore:
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled 1-D tensor backed by a mapped (already unlinked) file."""
+        tensor = self._map(name, numel, dtype)
+        if numel:
+            self.num_bytes += numel * tensor.element_size()
+            self._mapped.append(tensor)
+        return tensor
+
+    def _map(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if numel == 0:
             return torch.zeros(0, dtype=dtype)
         safe = "".join(c if c.isalnum() else "_" for c in name)[:60] or "root"
         filename = os.path.join(self.directory, f"{next(self._counter)}-{safe}.bin")
         tensor = torch.from_file(filename, shared=True, size=numel, dtype=dtype)
         os.unlink(filename)
-        self.num_bytes += numel * tensor.element_size()
-        self._mapped.append(tensor)
         return tensor
+
+    def grad_buffer(self, owner: object, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A mapped buffer for ``owner``'s reduced gradient: the kept one if nothing holds it.
+
+        See [Note: gradients on disk]; a new one (kept from then on) otherwise.
+        """
+        kept = self._grad_buffers.get(owner)
+        if kept is None or kept.numel() != numel or kept.dtype != dtype or not held_only_by(kept):
+            kept = self._map(f"{name}.grad", numel, dtype)
+            self._grad_buffers[owner] = kept
+        return kept.view(-1)
 
     def release_pages(self) -> None:
         """Drop the mapped buffers from this process's resident memory (data is kept).
 
         See [Note: releasing resident pages].
         """
-        for tensor in self._mapped:
+        for tensor in [*self._mapped, *self._grad_buffers.values()]:
             release_resident(tensor)
 
     def attach(self, handles: Iterable[FlatParamHandle | None]) -> None:
         """Watch every optimizer step: state for these handles' shards goes on disk."""
         self.handles = [h for h in handles if h is not None]
+        for handle in self.handles:
+            handle.grads.keep_reduced_in(self)
         ref = weakref.ref(self)
 
         def before_step(optimizer, args, kwargs):
@@ -219,11 +247,6 @@ def _detach(hooks, directory: str) -> None:
     for hook in hooks:
         hook.remove()
     _remove_directory(directory)
-
-
-def is_file_backed(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory is a mapped file (for tests and reports)."""
-    return tensor.untyped_storage().filename is not None
 
 
 __all__ = ["DiskStore", "check_offload_path", "is_file_backed"]

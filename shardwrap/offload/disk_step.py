@@ -30,39 +30,15 @@ loss is what ``step`` returns; a streamed step with one is refused.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-_PAGE = mmap.PAGESIZE
+from ..base.pages import release_resident
+
 # Parameters are cut at multiples of this many elements (a multiple of every SIMD width).
 PIECE_ALIGNMENT = 64
-_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-if _libc is not None:
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _libc.madvise.restype = ctypes.c_int
-
-
-def release_resident(tensor: torch.Tensor) -> None:
-    """Drop the pages that hold ``tensor`` from this process, if it is a mapped file.
-
-    The range is widened to whole pages: on a shared file mapping that loses no data (a
-    neighbour's page is read back from the page cache on its next access).
-    """
-    num_bytes = tensor.numel() * tensor.element_size()
-    if _libc is None or num_bytes == 0 or tensor.untyped_storage().filename is None:
-        return
-    start = tensor.data_ptr() // _PAGE * _PAGE
-    end = -(-(tensor.data_ptr() + num_bytes) // _PAGE) * _PAGE
-    if _libc.madvise(start, end - start, _MADV_DONTNEED) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"DiskOffload: madvise failed: {os.strerror(error)}")
 
 
 @dataclass(frozen=True, slots=True)

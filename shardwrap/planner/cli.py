@@ -8,6 +8,7 @@ import torch
 
 from ..base.sizes import read_size
 from .estimate import OPTIMIZER_STATES, cheapest_fitting, estimate_memory, format_table
+from .resident import DiskRunShape, resident_peak
 from .shapes import assumed_shape
 
 ASSUMED_SHAPE_HELP = """\
@@ -69,7 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bf16 mixed precision: fp32 master shards and optimizer state, bf16 compute",
     )
-    parser.add_argument("--offload", choices=["cpu", "disk"], default=None)
+    parser.add_argument(
+        "--offload",
+        choices=["cpu", "disk", "nvme"],
+        default=None,
+        help="nvme: disk (DiskOffload), plus the resident peak per rank of a ZeRO-3 run",
+    )
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     parser.add_argument(
         "--largest-unit-params",
@@ -85,6 +91,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hidden", type=int, default=None, help="hidden size: a layer is 12 x hidden^2"
     )
     parser.add_argument("--budget", type=parse_bytes, default=None, help="device memory per rank")
+    parser.add_argument(
+        "--vocab", type=int, default=0, help="--offload nvme: vocabulary (a head unit V x hidden)"
+    )
+    parser.add_argument(
+        "--tokens-per-rank", type=int, default=0, help="--offload nvme: tokens per rank and step"
+    )
+    parser.add_argument(
+        "--sub-group-size",
+        type=parse_count,
+        default=1_000_000_000,
+        help="--offload nvme: DiskOffload.sub_group_size (DeepSpeed's sub_group_size)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         compute_dtype=torch.bfloat16 if args.bf16 else None,
         optimizer=args.optimizer,
-        offload=args.offload,
+        offload="disk" if args.offload == "nvme" else args.offload,
         largest_unit_params=largest,
         tensor_parallel=args.tp,
         pipeline_parallel=args.pp,
@@ -120,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             f"(largest unit / {args.tp}); ZeRO shards them over the {args.world_size} DP ranks\n"
         )
     print(format_table(estimates))
+    if args.offload == "nvme":
+        print_resident_peak(args)
     if args.budget is None:
         return 0
     best = cheapest_fitting(estimates, args.budget)
@@ -137,3 +157,34 @@ def run(args: argparse.Namespace) -> int:
         "activations not included)"
     )
     return 0
+
+
+def print_resident_peak(args: argparse.Namespace) -> None:
+    """The resident peak per rank of a ZeRO-3 run under DiskOffload ([Note: the resident
+    peak under disk offload])."""
+    if args.largest_unit_params is not None:
+        raise SystemExit("--offload nvme: give --layers/--hidden, not --largest-unit-params")
+    if args.tp * args.pp > 1:
+        raise SystemExit("--offload nvme: the resident peak is modelled for --tp 1 --pp 1 only")
+    model = assumed_shape(args.params, args.layers, args.hidden)
+    if model.hidden == 0:
+        raise SystemExit("--offload nvme: the model is too small for a decoder shape")
+    for name in ("vocab", "tokens_per_rank"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')}: expected a number >= 0")
+    shape = DiskRunShape(
+        num_params=args.params,
+        world_size=args.world_size,
+        layer_params=model.layer_params + 13 * model.hidden,
+        hidden=model.hidden,
+        layers=model.num_layers,
+        tokens_per_rank=args.tokens_per_rank,
+        vocab=args.vocab,
+        sub_group_size=args.sub_group_size,
+        compute_bytes=2 if args.bf16 else 4,
+        num_states=OPTIMIZER_STATES[args.optimizer],
+    )
+    print(
+        f"\nresident peak per rank, ZeRO-3 with DiskOffload (stage 3 above; master shards, "
+        f"gradients and optimizer state in files):\n{resident_peak(shape).format()}"
+    )

@@ -44,7 +44,8 @@ every rank, and nothing gathered unless it is cast. ``N`` then applies to the ot
 Offload moves categories off the device: ``"cpu"`` puts parameter shards, optimizer
 state and the gradients handed to the optimizer in host memory, and with one shard the
 gathered buffer becomes a device copy of the host shard (``CPUOffload``); ``"disk"`` puts
-parameter shards and optimizer state in files (memory-mapped).
+parameter shards, the gradients handed to the optimizer and optimizer state in files
+(memory-mapped; the resident peak of such a run: planner/resident.py).
 """
 
 from __future__ import annotations
@@ -318,7 +319,8 @@ def _estimate_one(
     over_n = "" if n == 1 else " / N"
     b = elem.master
     shard_home = {None: Location.DEVICE, "cpu": Location.HOST, "disk": Location.DISK}[offload]
-    grad_home = Location.HOST if host_shards else Location.DEVICE  # ZeRO-1's reduced in backward
+    # ZeRO-1's reduced in backward too; DiskOffload keeps them in files ([Note: gradients on disk])
+    grad_home = {None: Location.DEVICE, "cpu": Location.HOST, "disk": Location.DISK}[offload]
     items = (
         MemoryItem("parameters", shard * b, shard_home, f"P b{over_n} = {shard:,} x {b}"),
         MemoryItem("gathered_parameters", gathered, Location.DEVICE, gathered_formula),
