@@ -22,7 +22,8 @@ CATEGORY = "hpz_secondary"
 
 
 def check_hpz(hpz_partition_size: int | None, world_size: int) -> int | None:
-    """``hpz_partition_size`` validated against the shard group (None: hpZ off)."""
+    """``hpz_partition_size`` validated against the shard group (None or 1: hpZ off, as in
+    ``CommQuantization``)."""
     if hpz_partition_size is None:
         return None
     value = hpz_partition_size
@@ -38,7 +39,7 @@ def check_hpz(hpz_partition_size: int | None, world_size: int) -> int | None:
 
 def hpz_numel(sizes: ModelSizes, strategy: ShardingStrategy, group: int | None) -> int:
     """Elements of the secondary shards one rank holds at the start of backward."""
-    if group is None or strategy is not ShardingStrategy.FULL_SHARD:
+    if group is None or group == 1 or strategy is not ShardingStrategy.FULL_SHARD:
         return 0
     return sum(
         math.ceil(u.layout.padded_numel / group) for u in sizes.units if u.layout.num_shards > 1

@@ -115,6 +115,8 @@ def test_hpz_secondary_is_p_c_over_g_at_stage_3_only() -> None:
     # four units of 64*64+64 = 4,160 elements, padded to 4,160 (a multiple of 8): 1/4 each
     assert stages[3].bytes("hpz_secondary") == 4 * (4160 // 4) * 4
     assert [e.bytes("hpz_secondary") for e in stages[:3]] == [0, 0, 0]
+    off = estimate_memory(model, world_size=8, stage=3, hpz_partition_size=1)  # 1 is off
+    assert off.bytes("hpz_secondary") == 0
     assert "hpz_secondary" in format_table(stages)
     for bad in (0, 3, True):
         with pytest.raises(ValueError, match="hpz_partition_size"):
