@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 
 import shardwrap.base.quantize as quantize_module
-
 from shardwrap.base.quantize import (
     BlockCodec,
     dequantize,
