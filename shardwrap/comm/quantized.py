@@ -53,7 +53,13 @@ def reduce_scatter(comm, out_shard, in_full, *, purpose: str, unit: str, codec: 
     if codec is None or comm.size == 1:
         return comm.reduce_scatter(out_shard, in_full, purpose=purpose, unit=unit)
     slices = in_full.view(comm.size, -1)
-    rows = quantize(slices, codec)  # row r: rank r's part
+    numel = slices.shape[1]
+    rows = torch.empty(
+        (comm.size, codec.row_bytes(numel)), dtype=torch.uint8, device=in_full.device
+    )
+    for peer in range(comm.size):  # row r: rank r's part; this rank's own is never read
+        if peer != comm.rank:
+            quantize(slices[peer], codec, out=rows[peer])
     received = torch.empty_like(rows)
     work = comm.all_to_all(
         received.view(-1),
@@ -116,10 +122,37 @@ class _Summed:
         if self._work is None:
             return True
         self._work.wait()
-        parts = dequantize(self._received, self._out.numel(), self._codec)
-        if self._own is not None:  # a reduce-scatter: this rank's part unquantized
-            parts[self._rank] = self._own.reshape(-1)
         with torch.no_grad():
-            self._out.view(-1).copy_(parts.sum(dim=0))
+            self._sum()
         self._work = self._received = self._own = self._out = None
         return True
+
+    def _sum(self) -> None:
+        """The parts added in rank order into an fp32 sum, one at a time (the order and
+        the fp32 adds of summing the stacked parts), each dequantized when its turn comes;
+        this rank's own part of a reduce-scatter is taken unquantized."""
+        out = self._out.view(-1)
+        own = None if self._own is None else self._own.reshape(-1)
+        in_place = out.dtype == torch.float32 and (own is None or not _overlap(out, own))
+        total = out if in_place else torch.empty(out.numel(), device=out.device)
+        scratch = None
+        for r in range(self._received.shape[0]):
+            if r == self._rank and own is not None:
+                part = own
+            else:
+                target = total if r == 0 else scratch
+                if target is None:
+                    target = scratch = torch.empty_like(total)
+                part = dequantize(self._received[r], out.numel(), self._codec, out=target)
+            if r == 0:
+                if part is not total:
+                    total.copy_(part)
+            else:
+                total.add_(part)
+        if not in_place:
+            out.copy_(total)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share storage (then ``a`` cannot hold a sum that reads ``b``)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -53,12 +53,9 @@ def _collectives_worker(rank: int, world_size: int, bits: int) -> int:
     fulls = [torch.randn(world_size * numel, generator=g) for g in gen]
     mine = [f.view(world_size, -1)[rank] for f in fulls]
     reduced = torch.empty(numel)
-    quantized.reduce_scatter(
-        comm, reduced, fulls[rank], purpose="g", unit="u", codec=codec
-    ).wait()
+    quantized.reduce_scatter(comm, reduced, fulls[rank], purpose="g", unit="u", codec=codec).wait()
     parts = [
-        p if r == rank else dequantize(quantize(p, codec), numel, codec)
-        for r, p in enumerate(mine)
+        p if r == rank else dequantize(quantize(p, codec), numel, codec) for r, p in enumerate(mine)
     ]
     assert torch.equal(reduced, torch.stack(parts).sum(dim=0))
 
@@ -68,7 +65,9 @@ def _collectives_worker(rank: int, world_size: int, bits: int) -> int:
     assert torch.equal(summed, torch.stack(rows).sum(dim=0))  # every rank: the same bits
 
     gather, exchange, gathered = comm.ledger.records
-    assert gathered.kind == "all_gather" and gathered.unquantized_bytes == world_size * _nbytes(summed)
+    assert gathered.kind == "all_gather" and gathered.unquantized_bytes == world_size * _nbytes(
+        summed
+    )
     wire_rows = world_size * codec.row_bytes(numel)
     assert (gather.kind, gather.num_bytes) == ("all_gather", wire_rows)
     assert gather.unquantized_bytes == world_size * numel * 4
@@ -81,9 +80,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_collectives_match_quantize_then_sum(bits: int) -> None:
-    assert run_ranks(_collectives_worker, 2, bits) == [3, 3]
+@pytest.mark.parametrize(("bits", "world_size"), [(8, 2), (4, 2), (8, 3)])
+def test_quantized_collectives_match_quantize_then_sum(bits: int, world_size: int) -> None:
+    # three ranks: a rank's own unquantized part is added first, in the middle, or last
+    assert run_ranks(_collectives_worker, world_size, bits) == [3] * world_size
 
 
 # ------------------------------------------------------------------ training
@@ -243,9 +243,7 @@ def _hpz_worker(rank: int, world_size: int) -> dict:
         assert forward_sizes == {world_size}
     for p, q in zip(plain.parameters(), hpz.parameters(), strict=True):
         assert torch.equal(p, q)
-    expected = [
-        0 if u is hpz.units[-1] else u.handle.flat_full.numel() * 4 // 2 for u in hpz.units
-    ]
+    expected = [0 if u is hpz.units[-1] else u.handle.flat_full.numel() * 4 // 2 for u in hpz.units]
     last_half = hpz.units[-1].handle.flat_full.numel() * 4 // 2
     return {"secondary": secondary[-1], "expected": expected, "expected_last": last_half}
 
@@ -357,7 +355,9 @@ def test_hybrid_shard_trains_within_one_percent() -> None:
         # within each pair an all-to-all, across the pairs a quantized all-gather
         assert ("all_to_all", "grads", 2) in result["kinds"]
         assert ("all_gather", "grads", 2) in result["kinds"]
-        assert not any(k[:2] in {("all_reduce", "grads"), ("reduce_scatter", "grads")} for k in result["kinds"])
+        assert not any(
+            k[:2] in {("all_reduce", "grads"), ("reduce_scatter", "grads")} for k in result["kinds"]
+        )
         # replicas (ranks 0 and 2, 1 and 3) hold the same shard, bit for bit
         shards = result["shards"]
         assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+import shardwrap.base.quantize as quantize_module
 from shardwrap.base.quantize import (
     BlockCodec,
     dequantize,
@@ -128,3 +129,22 @@ def test_dequantize_into_a_strided_output(codec: BlockCodec) -> None:
     assert out.data_ptr() == target[:, 5:].data_ptr()
     assert torch.equal(target[:, 5:], dequantize(wire, 45, codec).to(torch.bfloat16))
     assert torch.all(target[:, :5] == 0)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("chunk_values", [16, 100, 1 << 18])
+def test_chunked_work_matches_the_whole_row_reference(
+    codec: BlockCodec, chunk_values: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows quantized and dequantized a chunk of blocks at a time (many chunks, a partial
+    last one, a partial last block) carry the integers and scales of the unchunked
+    reference, and come back as its values, bit for bit."""
+    monkeypatch.setattr(quantize_module, "_CHUNK_VALUES", chunk_values)
+    x = torch.randn(2, 1001, generator=torch.Generator().manual_seed(3)) * 5
+    q, scales = quantize_blocks(x, codec)
+    reference = dequantize_blocks(q, scales, x.numel() // 2)
+    wire = torch.full((2, codec.row_bytes(1001)), 255, dtype=torch.uint8)
+    assert quantize(x, codec, out=wire) is wire
+    assert torch.equal(dequantize(wire, 1001, codec), reference)
+    as_bf16 = dequantize(wire, 1001, codec, torch.bfloat16)
+    assert torch.equal(as_bf16, dequantize_blocks(q, scales, 1001, torch.bfloat16))
