@@ -62,14 +62,13 @@ def resolve_groups(
     given), the given group is the model's whole world: checkpoints and checks run over it.
     """
     if not collectives.is_initialized():
-        return _groups_without_default(strategy, process_group, device_mesh)
-    world_group = collectives.default_group()
+        _check_without_default(strategy, process_group, device_mesh)
     if strategy.is_hybrid:
         shard_group, replicate_group = _hybrid_groups(process_group, device_mesh)
         # A 2-D mesh may be a slice of a bigger one (data parallel inside tensor or pipeline
         # parallelism): it tiles its own ranks, not necessarily the world.
         _check_tiles(shard_group, replicate_group, whole_world=device_mesh is None)
-        return GroupLayout(shard_group, replicate_group, world_group)
+        return GroupLayout(shard_group, replicate_group, collectives.default_group())
     if device_mesh is not None:
         if getattr(device_mesh, "ndim", 1) != 1:
             raise ValueError(
@@ -77,7 +76,7 @@ def resolve_groups(
             )
         group = device_mesh.get_group()
     elif process_group is None:
-        group = world_group
+        group = collectives.default_group()
     elif isinstance(process_group, dist.ProcessGroup):
         group = process_group
     else:
@@ -92,9 +91,10 @@ def resolve_groups(
     return GroupLayout(group, None, group)
 
 
-def _groups_without_default(
+def _check_without_default(
     strategy: ShardingStrategy, process_group: object, device_mesh: object
-) -> GroupLayout:
+) -> None:
+    """Without a default group only one given ``ProcessGroup`` can work (it is the world)."""
     if process_group is None and device_mesh is None:
         raise RuntimeError(
             "ShardedModule: no process group is initialised; call "
@@ -107,9 +107,6 @@ def _groups_without_default(
             f"ProcessGroup (got {type(process_group).__name__}); hybrid sharding and "
             "device_mesh need torch.distributed.init_process_group(...) first"
         )
-    if strategy is ShardingStrategy.NO_SHARD:
-        return GroupLayout(None, process_group, process_group)
-    return GroupLayout(process_group, None, process_group)
 
 
 def _hybrid_groups(process_group: object, device_mesh: object):
