@@ -74,17 +74,7 @@ def train(
     model = gpt.build(config)
     wrapped = wrap(model, impl, hybrid_shard_size=hybrid_shard_size, **options)
     optimizer = make_optimizer(wrapped)
-    rank = dist.get_rank()
-    losses = []
-    for step in range(num_steps):
-        inputs, targets = gpt.batch(config, step=step, rank=rank, batch_size=batch_size)
-        loss = gpt.loss_fn(wrapped(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
+    losses = train_losses(wrapped, optimizer, config, num_steps, batch_size)
     source = model if impl == "DDP" else wrapped
     state = {k: v.detach().clone() for k, v in source.state_dict().items()}
     return Run(losses, state)
@@ -92,6 +82,23 @@ def train(
 
 # torch.testing.assert_close's defaults for float32.
 FLOAT32_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
+
+
+def train_losses(model, optimizer, config, num_steps: int, batch_size: int) -> list[float]:
+    """``num_steps`` steps of ``model`` on this rank's batches; each step's loss, averaged
+    over the ranks."""
+    rank = dist.get_rank()
+    losses = []
+    for step in range(num_steps):
+        inputs, targets = gpt.batch(config, step=step, rank=rank, batch_size=batch_size)
+        loss = gpt.loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    return losses
 
 
 def differences(run: Run, reference: Run, *, tolerance: dict[str, float] | None) -> list[str]:

@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import gpt  # noqa: E402
 from benchmarks.impls import make_optimizer  # noqa: E402
+from benchmarks.parity import train_losses  # noqa: E402
 
 RUNS: dict[str, dict | None] = {
     "full precision": None,
@@ -41,7 +42,7 @@ RUNS: dict[str, dict | None] = {
 MICRO_BATCH = 4
 
 
-def _train(rank: int, config: gpt.GPTConfig, quant: dict | None, steps: int) -> list[float]:
+def _train(config: gpt.GPTConfig, quant: dict | None, steps: int) -> list[float]:
     import shardwrap
     from shardwrap.policies import ModuleWrapPolicy
 
@@ -52,17 +53,7 @@ def _train(rank: int, config: gpt.GPTConfig, quant: dict | None, steps: int) -> 
         comm_quantization=shardwrap.CommQuantization(**quant) if quant else None,
     )
     optim = make_optimizer(model.parameters())
-    losses = []
-    for step in range(steps):
-        inputs, targets = gpt.batch(config, step=step, rank=rank, batch_size=MICRO_BATCH)
-        loss = gpt.loss_fn(model(inputs), targets)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
-    return losses
+    return train_losses(model, optim, config, steps, MICRO_BATCH)
 
 
 def _worker(rank: int, world_size: int, init_file: str, args, out: str) -> None:
@@ -76,7 +67,7 @@ def _worker(rank: int, world_size: int, init_file: str, args, out: str) -> None:
         hpz = quant.get("hpz_partition_size", 1) if quant else 1
         if world_size % hpz or hpz >= world_size and hpz > 1:
             continue  # hpZ needs groups smaller than the world
-        curves[name] = _train(rank, config, quant, args.steps)
+        curves[name] = _train(config, quant, args.steps)
         if rank == 0:
             print(f"{name}: done, last loss {curves[name][-1]:.4f}", flush=True)
     if rank == 0:
