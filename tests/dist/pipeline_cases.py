@@ -68,6 +68,25 @@ def local_batch(step: int, dp: int, dp_rank: int):
     return x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
 
 
+def run_schedule(sched, x, y, *, is_first: bool, is_last: bool) -> list[torch.Tensor]:
+    """One step of ``sched``: the first stage feeds ``x``, the last gets the targets ``y``;
+    the last stage's microbatch losses (empty elsewhere)."""
+    step_losses: list[torch.Tensor] = []
+    sched.step(
+        *((x,) if is_first else ()),
+        target=y if is_last else None,
+        losses=step_losses if is_last else None,
+    )
+    return step_losses
+
+
+def dp_mean_loss(step_losses: list[torch.Tensor], dp_group, dp: int) -> float:
+    """The global batch's loss: the microbatches' mean, averaged over the DP ranks."""
+    mean = torch.stack(step_losses).mean().reshape(1)
+    dist.all_reduce(mean, group=dp_group)
+    return float(mean.detach()) / dp
+
+
 def reference_run(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training on the same global batches: losses and final parameters."""
     model = whole_model()
@@ -139,19 +158,12 @@ def train(world_size: int, pp: int, strategy: str, schedule: str, keep_gathered:
         for m in wrapped:
             m.comm_ledger.reset()
         x, y = local_batch(step, dp, dp_rank)
-        step_losses: list[torch.Tensor] = []
-        sched.step(
-            *((x,) if is_first else ()),
-            target=y if is_last else None,
-            losses=step_losses if is_last else None,
-        )
+        step_losses = run_schedule(sched, x, y, is_first=is_first, is_last=is_last)
         counts.append([_ledger_counts(m) for m in wrapped])
         optim.step()
         optim.zero_grad()
         if is_last:
-            mean = torch.stack(step_losses).mean().reshape(1)
-            dist.all_reduce(mean, group=mesh["dp"].get_group())
-            losses.append(float(mean.detach()) / dp)
+            losses.append(dp_mean_loss(step_losses, mesh["dp"].get_group(), dp))
     final = {}
     for m in wrapped:
         final.update({k: v.clone() for k, v in m.state_dict().items()})

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import shardwrap
 from shardwrap.features.pipeline_stage import ShardedPipelineStage
 from shardwrap.policies import ModuleWrapPolicy
+from tests.dist.pipeline_cases import dp_mean_loss, run_schedule
 from tests.dist.tp_cases import model_state_bytes
 
 PP, DP, TP = 2, 2, 2
@@ -138,20 +139,13 @@ def train(strategy: str, schedule: str, infer: bool, save_to: str | None = None)
     for step in range(NUM_STEPS):
         module.comm_ledger.reset()
         x, y = local_batch(step, dp_rank)
-        step_losses: list[torch.Tensor] = []
-        sched.step(
-            *((x,) if stage.is_first else ()),
-            target=y if stage.is_last else None,
-            losses=step_losses if stage.is_last else None,
-        )
+        step_losses = run_schedule(sched, x, y, is_first=stage.is_first, is_last=stage.is_last)
         reductions.append(_grad_reductions(module))
         optim.step()
         state_bytes = model_state_bytes(optim)  # with the step's gradients still held
         optim.zero_grad()
         if stage.is_last:
-            mean = torch.stack(step_losses).mean().reshape(1)
-            dist.all_reduce(mean, group=mesh["dp"].get_group())
-            losses.append(float(mean.detach()) / DP)
+            losses.append(dp_mean_loss(step_losses, mesh["dp"].get_group(), DP))
     if save_to is not None:
         shardwrap.save_checkpoint(save_to, module, optim, extra={"step": NUM_STEPS})
     units = sum(1 for u in module.units if u.handle is not None and u.handle.has_trainable_params)

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import shardwrap
 from shardwrap.features.pipeline_stage import ShardedPipelineStage
 from shardwrap.policies import ModuleWrapPolicy
+from tests.dist.pipeline_cases import dp_mean_loss, run_schedule
 from tests.dist.tp_cases import model_state_bytes
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 64, 32, 4, 4, 8
@@ -174,19 +175,12 @@ def train_worker(rank: int, world_size: int, shape: dict, save_to: str) -> dict:
     for step in range(NUM_STEPS):
         x, y = global_batch(step, dp)
         x, y = x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
-        step_losses: list[torch.Tensor] = []
-        sched.step(
-            *((x,) if stage.is_first else ()),
-            target=y if stage.is_last else None,
-            losses=step_losses if stage.is_last else None,
-        )
+        step_losses = run_schedule(sched, x, y, is_first=stage.is_first, is_last=stage.is_last)
         optim.step()
         state_bytes = model_state_bytes(optim)  # with the step's gradients still held
         optim.zero_grad()
         if stage.is_last:
-            mean = torch.stack(step_losses).mean().reshape(1)
-            dist.all_reduce(mean, group=mesh["dp"].get_group())
-            losses.append(float(mean.detach()) / dp)
+            losses.append(dp_mean_loss(step_losses, mesh["dp"].get_group(), dp))
     shardwrap.save_checkpoint(save_to, module, optim, extra={"step": NUM_STEPS})
     units = sum(1 for u in module.units if u.handle is not None and u.handle.has_trainable_params)
     return {
