@@ -71,7 +71,7 @@ def _target_bytes(numel: int, replicas: int, codec: BlockCodec) -> int:
 
 
 # ------------------------------------------------------------ the collective
-def _all_reduce_worker(rank: int, world_size: int, bits: int) -> dict:
+def _all_reduce_worker(rank: int, world_size: int, bits: int, dtype: torch.dtype) -> dict:
     codec = BlockCodec(bits, BLOCK)
     counter = CollectiveCounter()
     counter.install()
@@ -81,23 +81,29 @@ def _all_reduce_worker(rank: int, world_size: int, bits: int) -> dict:
     for r in range(world_size):
         g = torch.Generator().manual_seed(100 + r)
         scale = 10.0 ** torch.randint(-3, 3, (NUMEL,), generator=g).float()
-        tensors.append(torch.randn(NUMEL, generator=g) * scale)
+        tensors.append((torch.randn(NUMEL, generator=g) * scale).to(dtype))
     tensor = tensors[rank].clone()
     counter.counting = True
     quantized.all_reduce(comm, tensor, purpose="grads", unit="u", codec=codec).wait()
     counter.counting = False
     return {
-        "equal": torch.equal(tensor, reference_all_reduce(tensors, codec)),
+        "equal": torch.equal(tensor, reference_all_reduce(tensors, codec).to(dtype)),
         "sent": counter.reset().get("send", (0, 0))[1],
         "ledger_wire": sum(r.wire_bytes for r in comm.ledger.records),
         "kinds": [r.kind for r in comm.ledger.records],
     }
 
 
-@pytest.mark.parametrize(("bits", "world_size"), [(8, 2), (8, 3), (8, 4), (4, 4)])
-def test_quantized_all_reduce_matches_the_one_process_reference(bits: int, world_size: int):
+@pytest.mark.parametrize(
+    ("bits", "world_size", "dtype"),
+    [(8, 2, torch.float32), (8, 3, torch.float32), (8, 4, torch.float32), (4, 4, torch.float32)]
+    + [(8, 2, torch.bfloat16)],  # a bf16 reduce dtype: sums in fp32, lands in bf16
+)
+def test_quantized_all_reduce_matches_the_one_process_reference(
+    bits: int, world_size: int, dtype: torch.dtype
+) -> None:
     codec = BlockCodec(bits, BLOCK)
-    for result in run_ranks(_all_reduce_worker, world_size, bits):
+    for result in run_ranks(_all_reduce_worker, world_size, bits, dtype):
         assert result["equal"]  # bit for bit, and so the same bits on every rank
         assert result["kinds"] == ["all_to_all", "all_gather"]
         # what went on the wire is what the ledger says, and within the bound
