@@ -108,11 +108,20 @@ class CollectiveStats:
     seconds: float  # summed wall time, issue to end of wait
     # bytes the same collectives move without ZeRO++'s quantization (0: none quantized)
     unquantized_bytes: int = 0
+    wire_bytes: float = 0.0  # bytes this rank sends on a ring (CommRecord.wire_bytes)
+    unquantized_wire_bytes: float = 0.0  # the same, unquantized (0: none quantized)
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes quantization saved ([Note: quantized collectives])."""
+        """Ledger bytes quantization saved ([Note: quantized collectives]), in the ledger's
+        unit: a buffer's bytes once per ring pass (a plain all-reduce makes two)."""
         return self.unquantized_bytes - self.num_bytes if self.unquantized_bytes else 0
+
+    @property
+    def saved_wire_bytes(self) -> float:
+        """Bytes per rank on the wire quantization saved, against the plain collective
+        (for qgZ across replicas: the fp32 ring all-reduce, ``8 n (R-1) / R``)."""
+        return self.unquantized_wire_bytes - self.wire_bytes if self.unquantized_bytes else 0.0
 
 
 @dataclass
@@ -132,9 +141,18 @@ class StepProfile:
     def count(self, kind: str, purpose: str | None = None, unit: str | None = None) -> int:
         return sum(s.count for s in self._matching(kind, purpose, unit))
 
+    def wire_bytes(self, kind: str, purpose: str | None = None, unit: str | None = None) -> float:
+        """Bytes this rank sent on the wire in collectives of ``kind`` (ring counts)."""
+        return sum(s.wire_bytes for s in self._matching(kind, purpose, unit))
+
     def saved_bytes(self, unit: str | None = None) -> int:
-        """Bytes ZeRO++'s quantized collectives saved (of one unit, or all)."""
+        """Ledger bytes ZeRO++'s quantized collectives saved (of one unit, or all)."""
         return sum(s.saved_bytes for s in self.collectives if unit is None or s.unit == unit)
+
+    def saved_wire_bytes(self, unit: str | None = None) -> float:
+        """Wire bytes per rank ZeRO++'s quantized collectives saved against the plain
+        ones (of one unit, or all)."""
+        return sum(s.saved_wire_bytes for s in self.collectives if unit is None or s.unit == unit)
 
     def by_kind(self) -> dict[str, tuple[int, int, float]]:
         """``{kind: (count, bytes, seconds)}`` summed over units and purposes."""
@@ -148,12 +166,12 @@ class StepProfile:
         """A plain-text table, one line per (unit, kind, purpose)."""
         lines = [
             f"{'unit':<24} {'kind':<18} {'purpose':<14} {'count':>5} {'bytes':>12} "
-            f"{'saved':>12} {'ms':>9}"
+            f"{'wire':>12} {'wire saved':>12} {'ms':>9}"
         ]
         for s in self.collectives:
             lines.append(
-                f"{s.unit:<24} {s.kind:<18} {s.purpose:<14} {s.count:>5} "
-                f"{s.num_bytes:>12} {s.saved_bytes:>12} {1e3 * s.seconds:>9.2f}"
+                f"{s.unit:<24} {s.kind:<18} {s.purpose:<14} {s.count:>5} {s.num_bytes:>12} "
+                f"{s.wire_bytes:>12.0f} {s.saved_wire_bytes:>12.0f} {1e3 * s.seconds:>9.2f}"
             )
         lines.append(f"step wall time: {1e3 * self.wall_s:.2f} ms")
         return "\n".join(lines)
@@ -201,6 +219,8 @@ def summarize(records) -> list[CollectiveStats]:
             num_bytes=sum(r.num_bytes for r in rs),
             seconds=sum(r.elapsed_s or 0.0 for r in rs),
             unquantized_bytes=_unquantized(rs),
+            wire_bytes=sum(r.wire_bytes for r in rs),
+            unquantized_wire_bytes=_unquantized_wire(rs),
         )
         for (unit, kind, purpose), rs in groups.items()
     ]
@@ -211,3 +231,10 @@ def _unquantized(records) -> int:
     if not any(r.unquantized_bytes for r in records):
         return 0
     return sum(r.unquantized_bytes or r.num_bytes for r in records)
+
+
+def _unquantized_wire(records) -> float:
+    """What ``records`` would send per rank unquantized; 0 when none was quantized."""
+    if not any(r.unquantized_bytes for r in records):
+        return 0.0
+    return sum(r.unquantized_wire_bytes if r.unquantized_bytes else r.wire_bytes for r in records)

@@ -24,6 +24,8 @@ class CommRecord:
     unit: str = ""  # the unit it serves ("" for the root unit or none)
     elapsed_s: float | None = None  # issue to end of wait, when the ledger times collectives
     # Quantized (comm/quantized.py): the bytes the same collective moves unquantized; else 0.
+    # Each pass of a quantized all-reduce carries the tensor's bytes: one ring pass of the
+    # plain all-reduce ([Note: quantized all-reduce]).
     unquantized_bytes: int = 0
 
     @property
@@ -31,6 +33,14 @@ class CommRecord:
         """Bytes each rank sends on a ring: (N-1)/N of the buffer, twice for an all-reduce."""
         factor = 2.0 if self.kind == "all_reduce" else 1.0
         return factor * self.num_bytes * (self.group_size - 1) / self.group_size
+
+    @property
+    def unquantized_wire_bytes(self) -> float:
+        """What :attr:`wire_bytes` would be without quantization (0: not quantized).
+
+        A quantized record is an all-gather or an all-to-all, and what it replaces is one
+        ring pass: an all-gather, a reduce-scatter, or half a plain all-reduce."""
+        return self.unquantized_bytes * (self.group_size - 1) / self.group_size
 
 
 # Records a ledger keeps at most; see CommLedger.

@@ -1,8 +1,8 @@
-"""All-gather and reduce-scatter that move block-quantized values (ZeRO++'s qwZ and qgZ).
+"""All-gather, reduce-scatter and all-reduce that move block-quantized values (qwZ, qgZ).
 
 [Note: quantized collectives]
-Both take the same tensors as the Communicator's plain collectives and, with a codec,
-move ``uint8`` wire rows instead ([Note: block quantization] in base/quantize.py):
+Each takes the same tensors as the Communicator's plain collective and, with a codec,
+moves ``uint8`` wire rows instead ([Note: block quantization] in base/quantize.py):
 
 * all-gather (qwZ): this rank quantizes its shard into one row; the rows of all ranks
   are all-gathered; the wait dequantizes each rank's row into its slice of the output,
@@ -12,14 +12,33 @@ move ``uint8`` wire rows instead ([Note: block quantization] in base/quantize.py
   row r, and an all-to-all hands each rank the rows meant for it. The wait dequantizes
   them into fp32, puts this rank's own slice in unquantized, and sums in rank order in
   fp32: each contribution is quantized once, and nothing quantized is ever added to.
-* all-reduce (qgZ's second level, across the replica groups of a hybrid strategy): each
-  rank's reduced shard is quantized once and all-gathered; every rank sums all rows in
-  rank order in fp32, its own as sent, so the replicas keep identical shards.
+* all-reduce (qgZ's second level, across the replica groups of a hybrid strategy):
+  [Note: quantized all-reduce] below.
 
 The ledger records each as the collective it is (``all_gather``, ``all_to_all``) with its
 real ``uint8`` bytes, and, in ``unquantized_bytes``, the bytes the plain collective would
 have moved, so a profile shows what was saved. A group of one rank moves nothing and
 quantizes nothing: it takes the plain path.
+
+[Note: quantized all-reduce]
+Gathering every replica's quantized row would cost each rank ``(R-1) n`` bytes (int8) for
+``n`` values over ``R`` replicas, against ``8 n (R-1) / R`` for an fp32 ring all-reduce:
+no saving from ``R = 8`` on. So the sum runs as a ring all-reduce does, in two passes,
+each on slices of ``ceil(n / R)`` values (the tensor padded with zeros to ``R`` of them):
+
+1. a quantized reduce-scatter (the all-to-all above): slice ``r`` of every replica's
+   tensor goes to replica ``r``, which sums the ``R`` contributions in rank order in
+   fp32, its own unquantized;
+2. a quantized all-gather of the summed slices: each replica quantizes its fp32 sum
+   once, and every replica dequantizes every row, its own included, so all replicas
+   end with the same bits.
+
+Each rank receives ``2 (R-1)`` rows of ``ceil(n / R)`` values: about ``2 n (R-1) / R``
+bytes for int8 plus one scale per block, the fp32 all-reduce's bytes at a quarter (an
+eighth for int4). Each pass is recorded with ``unquantized_bytes`` of the tensor's own
+bytes: one ring pass of the plain all-reduce each, so the two together say what the
+plain all-reduce (``kind == "all_reduce"``, twice its bytes on the wire) would have
+moved. The all-gather is issued by the wait, when the sum it gathers exists.
 """
 
 from __future__ import annotations
@@ -37,12 +56,15 @@ def all_gather(comm, out_full, in_shard, *, purpose: str, unit: str, codec: Bloc
     """``comm.all_gather(out_full, in_shard)``, quantized with ``codec`` (None: plain)."""
     if codec is None or comm.size == 1:
         return comm.all_gather(out_full, in_shard, purpose=purpose, unit=unit)
+    return _gather(comm, out_full, in_shard, purpose, unit, codec, _nbytes(out_full))
+
+
+def _gather(comm, out_full, in_shard, purpose: str, unit: str, codec: BlockCodec, plain: int):
+    """The quantized all-gather, recorded as saving against ``plain`` bytes."""
     numel = in_shard.numel()
     row = quantize(in_shard.reshape(-1), codec)
     rows = torch.empty((comm.size, row.numel()), dtype=torch.uint8, device=row.device)
-    work = comm.all_gather(
-        rows.view(-1), row, purpose=purpose, unit=unit, unquantized_bytes=_nbytes(out_full)
-    )
+    work = comm.all_gather(rows.view(-1), row, purpose=purpose, unit=unit, unquantized_bytes=plain)
     return _Dequantized(work, rows, out_full, numel, codec)
 
 
@@ -52,6 +74,11 @@ def reduce_scatter(comm, out_shard, in_full, *, purpose: str, unit: str, codec: 
     ``in_full`` must stay unchanged until the wait (this rank's slice is read then)."""
     if codec is None or comm.size == 1:
         return comm.reduce_scatter(out_shard, in_full, purpose=purpose, unit=unit)
+    return _scatter(comm, out_shard, in_full, purpose, unit, codec, _nbytes(in_full))
+
+
+def _scatter(comm, out_shard, in_full, purpose: str, unit: str, codec: BlockCodec, plain: int):
+    """The quantized reduce-scatter (an all-to-all), recorded as saving against ``plain``."""
     slices = in_full.view(comm.size, -1)
     numel = slices.shape[1]
     rows = torch.empty(
@@ -62,11 +89,7 @@ def reduce_scatter(comm, out_shard, in_full, *, purpose: str, unit: str, codec: 
             quantize(slices[peer], codec, out=rows[peer])
     received = torch.empty_like(rows)
     work = comm.all_to_all(
-        received.view(-1),
-        rows.view(-1),
-        purpose=purpose,
-        unit=unit,
-        unquantized_bytes=_nbytes(in_full),
+        received.view(-1), rows.view(-1), purpose=purpose, unit=unit, unquantized_bytes=plain
     )
     return _Summed(work, received, slices[comm.rank], out_shard, codec, comm.rank)
 
@@ -74,16 +97,44 @@ def reduce_scatter(comm, out_shard, in_full, *, purpose: str, unit: str, codec: 
 def all_reduce(comm, tensor, *, purpose: str, unit: str, codec: BlockCodec | None):
     """``comm.all_reduce(tensor)`` (a sum, in place), quantized with ``codec`` (None: plain).
 
-    Every rank all-gathers every rank's quantized row and sums the dequantized rows in
-    rank order in fp32, its own row included as sent: every rank ends with the same bits.
+    A quantized reduce-scatter of slices, then a quantized all-gather of the summed
+    slices ([Note: quantized all-reduce]): every rank ends with the same bits. ``tensor``
+    (contiguous) must stay unchanged until the wait, which issues the all-gather.
     """
     if codec is None or comm.size == 1:
         return comm.all_reduce(tensor, purpose=purpose, unit=unit)
-    row = quantize(tensor.reshape(-1), codec)
-    rows = torch.empty((comm.size, row.numel()), dtype=torch.uint8, device=row.device)
-    plain = comm.size * _nbytes(tensor)  # the same all-gather unquantized
-    work = comm.all_gather(rows.view(-1), row, purpose=purpose, unit=unit, unquantized_bytes=plain)
-    return _Summed(work, rows, None, tensor, codec, comm.rank)
+    flat = tensor.view(-1)
+    slice_numel = -(-flat.numel() // comm.size)
+    padded = flat
+    if slice_numel * comm.size != flat.numel():  # zeros to R whole slices
+        padded = torch.zeros(slice_numel * comm.size, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()].copy_(flat)
+    summed = torch.empty(slice_numel, dtype=torch.float32, device=flat.device)  # this slice
+    plain = _nbytes(tensor)  # one ring pass of the plain all-reduce
+    work = _scatter(comm, summed, padded, purpose, unit, codec, plain)
+    return _ScatteredThenGathered(work, comm, flat, padded, summed, (purpose, unit, codec, plain))
+
+
+class _ScatteredThenGathered:
+    """A quantized all-reduce in flight: its wait ends the reduce-scatter, then gathers."""
+
+    def __init__(self, work, comm, flat, padded, summed, gather_args: tuple) -> None:
+        self._work = work  # the reduce-scatter's _Summed, writing into summed
+        self._comm = comm
+        self._flat = flat  # the caller's tensor, 1D
+        self._padded = padded  # flat, or a zero-padded copy: R slices of summed's length
+        self._summed = summed  # 1D fp32: this rank's slice of the sum
+        self._gather_args = gather_args  # purpose, unit, codec, plain bytes
+
+    def wait(self) -> bool:
+        if self._work is None:
+            return True
+        self._work.wait()
+        _gather(self._comm, self._padded, self._summed, *self._gather_args).wait()
+        if self._padded is not self._flat:
+            self._flat.copy_(self._padded[: self._flat.numel()])
+        self._work = self._comm = self._flat = self._padded = self._summed = None
+        return True
 
 
 class _Dequantized:
@@ -113,7 +164,7 @@ class _Summed:
     def __init__(self, work, received, own, out_shard, codec: BlockCodec, rank: int) -> None:
         self._work = work
         self._received = received  # (ranks, row bytes) uint8: row r from rank r
-        self._own = own  # this rank's unquantized part (None: use the row it sent)
+        self._own = own  # this rank's unquantized part (its row in received is unused)
         self._out = out_shard
         self._codec = codec
         self._rank = rank
@@ -130,14 +181,14 @@ class _Summed:
     def _sum(self) -> None:
         """The parts added in rank order into an fp32 sum, one at a time (the order and
         the fp32 adds of summing the stacked parts), each dequantized when its turn comes;
-        this rank's own part of a reduce-scatter is taken unquantized."""
+        this rank's own part is taken unquantized."""
         out = self._out.view(-1)
-        own = None if self._own is None else self._own.reshape(-1)
-        in_place = out.dtype == torch.float32 and (own is None or not _overlap(out, own))
+        own = self._own.reshape(-1)
+        in_place = out.dtype == torch.float32 and not _overlap(out, own)
         total = out if in_place else torch.empty(out.numel(), device=out.device)
         scratch = None
         for r in range(self._received.shape[0]):
-            if r == self._rank and own is not None:
+            if r == self._rank:
                 part = own
             else:
                 target = total if r == 0 else scratch

@@ -28,7 +28,10 @@ values (backward then uses the very weights forward did, as in DeepSpeed's ZeRO+
 With ``gradients`` (qgZ) the unit's gradient reduce-scatter (alone or in a reduce
 bucket) is quantized (``handle.grads.grad_codec``), and so, for hybrid strategies, is the
 all-reduce of the reduced shard across replica groups (hierarchical: within the shard
-group, then across). The all-reduce of one-shard units stays in full precision.
+group, then across, as a quantized reduce-scatter and all-gather whose bytes per rank
+stay a fraction of the fp32 all-reduce's at any number of replicas, [Note: quantized
+all-reduce] in comm/quantized.py). The all-reduce of one-shard units stays in full
+precision.
 """
 
 from __future__ import annotations

@@ -62,9 +62,12 @@ def test_summarize_groups_by_unit_kind_purpose() -> None:
     ]
     stats = profile.summarize(records)
     assert stats == [
-        profile.CollectiveStats("a", "all_gather", "params", 2, 16, 0.75),
-        profile.CollectiveStats("a", "reduce_scatter", "grads", 1, 32, 0.0),
-        profile.CollectiveStats(profile.SHARED_LABEL, "all_reduce", "grad_presence", 1, 4, 0.125),
+        profile.CollectiveStats("a", "all_gather", "params", 2, 16, 0.75, wire_bytes=8.0),
+        profile.CollectiveStats("a", "reduce_scatter", "grads", 1, 32, 0.0, wire_bytes=16.0),
+        # an all-reduce is two ring passes: twice (N-1)/N of its buffer
+        profile.CollectiveStats(
+            profile.SHARED_LABEL, "all_reduce", "grad_presence", 1, 4, 0.125, wire_bytes=4.0
+        ),
     ]
     step = profile.StepProfile(wall_s=1.0, collectives=stats)
     assert step.bytes("all_gather") == 16
