@@ -256,6 +256,19 @@ def _deepspeed(stage: int, zero_keys: dict | None = None):
     return build
 
 
+def _compiled_blocks(build: Callable[..., object]) -> Callable[..., object]:
+    """``build`` on the model after ``block.compile(fullgraph=True)`` on each block, as
+    torchtitan compiles: the sharding stays eager around compiled blocks."""
+
+    def compiled(model: nn.Module, **kwargs) -> object:
+        torch._inductor.config.compile_threads = 1  # no pool of compile workers per rank
+        for block in model.blocks:
+            block.compile(fullgraph=True)
+        return build(model, **kwargs)
+
+    return compiled
+
+
 ZERO_PLUS_PLUS_ROWS = {
     "qwz": {"weights": True},
     "qgz": {"gradients": True},
@@ -363,6 +376,12 @@ IMPLS: dict[str, ImplSpec] = {
             _deepspeed(3, {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
         ),
         ImplSpec("ddp", "ddp", 0, _ddp),
+        # torch.compile'd blocks (inductor), issue #31
+        ImplSpec(
+            "sw_full_shard_compiled", "shardwrap", 3, _compiled_blocks(_shardwrap("FULL_SHARD"))
+        ),
+        ImplSpec("fsdp2_compiled", "fsdp2", 3, _compiled_blocks(_fsdp2)),
+        ImplSpec("ddp_compiled", "ddp", 0, _compiled_blocks(_ddp)),
     )
 }
 
@@ -390,4 +409,7 @@ EXPERIMENTS = (
     "sw_no_shard_b12",
     *(f"sw_full_shard_{name}" for name in ZERO_PLUS_PLUS_ROWS),
     "ds_zero3_qwz_qgz",
+    "sw_full_shard_compiled",
+    "fsdp2_compiled",
+    "ddp_compiled",
 )

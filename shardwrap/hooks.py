@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .base.compiler import run_eagerly
 from .base.torch_compat import tree_flatten, tree_unflatten
 from .core.unit import TrainingState, Unit
 from .flat_param import FlatParamHandle
@@ -44,16 +45,22 @@ def register(unit: Unit) -> None:
     The hooks find the unit's runtime in the registry when they run, not when they are
     installed: a root that adopts a nested root's units takes them over, hooks included.
     """
+    pre_hook, post_hook = _eager_hooks()
     unit.hook_handles.append(
-        unit.module.register_forward_pre_hook(
-            functools.partial(_pre_forward_hook, unit), with_kwargs=True
-        )
+        unit.module.register_forward_pre_hook(functools.partial(pre_hook, unit), with_kwargs=True)
     )
     unit.hook_handles.append(
-        unit.module.register_forward_hook(
-            functools.partial(_post_forward_hook, unit), with_kwargs=True
-        )
+        unit.module.register_forward_hook(functools.partial(post_hook, unit), with_kwargs=True)
     )
+
+
+@functools.cache
+def _eager_hooks() -> tuple:
+    """The forward hooks, run eagerly under ``torch.compile``.
+
+    See [Note: hooks outside the compiled graph] in base/compiler.py.
+    """
+    return run_eagerly(_pre_forward_hook), run_eagerly(_post_forward_hook)
 
 
 def _runtime_of(unit: Unit) -> StepRuntime:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import hooks
+from .base.compiler import run_eagerly
 from .base.records import as_record
 from .base.validate import check_bool
 from .build import casts as precision
@@ -194,6 +195,8 @@ class ShardedModule(
             forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch
         )
         self._runtime = StepRuntime(self._units, world, schedule)
+        # [Note: hooks outside the compiled graph] in base/compiler.py
+        self._begin_forward = run_eagerly(self._runtime.begin_forward)
         registry.add_root(self, self.module, self._runtime)
         for unit in self._units:  # [Note: units as FSDP instances]
             if unit.module is not self.module:
@@ -205,7 +208,7 @@ class ShardedModule(
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._runtime.begin_forward()
+        self._begin_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
