@@ -94,8 +94,9 @@ def _add_ratios(rows: dict[str, dict]) -> None:
     peers = {n: r for n, r in ok.items() if r["family"] in PEER_FAMILIES}
     for row in ok.values():
         ratios = {n: row["median_s"] / p["median_s"] for n, p in peers.items()}
-        if "ddp" in ok:
-            ratios["ddp"] = row["median_s"] / ok["ddp"]["median_s"]
+        for name, other in ok.items():  # stock DDP, eager or with compiled blocks
+            if other["family"] == "ddp":
+                ratios[name] = row["median_s"] / other["median_s"]
         same_stage = [p["median_s"] for p in peers.values() if p["stage"] == row["stage"]]
         if same_stage:
             ratios["fastest_peer_same_stage"] = row["median_s"] / min(same_stage)
