@@ -1,4 +1,4 @@
-"""JSON values between ranks, as UTF-8 bytes in ``uint8`` tensors: nothing is pickled.
+"""JSON values between ranks, as bytes in ``uint8`` tensors: nothing is pickled.
 
 [Note: no pickle between ranks]
 torch's ``*_object`` collectives pickle what they send and unpickle what they receive, and
@@ -6,8 +6,8 @@ unpickling runs whatever code the bytes name. Loading a checkpoint promises neve
 unpickle anything, and what its ranks exchange (parameter names, error texts) is plain
 data, so it travels as JSON instead: each rank encodes its value, an 8-byte all-reduce
 agrees on the largest (or the only) length, and the bytes go in one tensor collective,
-each rank's framed as an 8-byte little-endian length then the text, zero-padded to the
-largest. The ledger records those tensor collectives as any other.
+each rank's framed as an 8-byte little-endian length then the (ASCII-escaped) text,
+zero-padded to the largest. The ledger records those tensor collectives as any other.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ LENGTH_BYTES = 8  # the frame's length prefix
 
 
 def _encoded(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    # ASCII escapes: a path that is not UTF-8 decodes to lone surrogates, which UTF-8
+    # cannot encode; escaped, they come back as they were.
+    return json.dumps(value, separators=(",", ":")).encode("ascii")
 
 
 def _decoded(payload: bytes) -> Any:
-    return json.loads(payload.decode("utf-8"))
+    return json.loads(payload.decode("ascii"))
 
 
 def _largest(comm: Communicator, length: int, purpose: str, op=dist.ReduceOp.MAX) -> int:
