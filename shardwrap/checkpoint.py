@@ -9,16 +9,15 @@ reads only the pieces that overlap them.
 Every rank reports success or its error to all others before anyone goes on, so a failure
 on one rank raises on all of them instead of leaving the rest waiting in a collective.
 
-The rest of saved state, by file (all in ``ckpt/``): reading ``reader.py``, writing
-safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state dicts
-``state_dict.py``, one-file export ``consolidate.py``, Hugging Face loading
-``pretrained.py``.
+The rest of saved state, by file (all in ``ckpt/``): loading (its checks, then its copy)
+``loading.py``, reading ``reader.py``, writing safetensors ``safetensors_writer.py``,
+optimizer state ``optim_state.py``, state dicts ``state_dict.py``, one-file export
+``consolidate.py``, Hugging Face loading ``pretrained.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections import defaultdict
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 import torch
 
 from .base.gc_pause import gc_paused
-from .base.validate import check_bool
 from .ckpt import fragments, run_state
 from .ckpt.entries import SavedPiece, group_pieces
 from .ckpt.format import (
@@ -43,18 +41,15 @@ from .ckpt.format import (
     shard_file_name,
     write_atomic,
 )
-from .ckpt.matching import check_entry, check_fits_model, match_names
+from .ckpt.loading import Loading
 from .ckpt.optim_state import (
     SCALAR,
     SHARDED,
-    build_load_dict,
-    check_fits,
     optimizer_class_name,
     optimizer_slots,
     state_kind,
 )
 from .ckpt.outcome import agree_on_id, check_json, guarded, settle
-from .ckpt.reader import CheckpointReader
 from .ckpt.safetensors_writer import StreamItem, write_stream
 from .ckpt.slots import ModelSlots, ParamSlot, model_slots
 
@@ -297,96 +292,25 @@ def load_checkpoint(
     root = os.fspath(path)
     slots = model_slots(model)
     comm = slots.world_comm
-    result: dict[str, Any] = {}
     # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
     elsewhere = fragments.names_held_elsewhere(slots, [fragments.every_name(slots)])
-
-    def check() -> dict[str, Any]:
-        run_state.check_sampler("sampler", sampler, "load_state_dict")
-        check_bool("restore_rng", restore_rng)
-        index = read_index(root)
-        matched = match_names(index, slots, strict, elsewhere)
-        check_fits_model(index, slots, matched, with_optimizer=optimizer is not None)
-        if optimizer is not None:  # refuse a misfit before the model changes
-            _check_optimizer(index, slots, optimizer, elsewhere)
-        run, data = None, None
-        if restore_rng or sampler is not None:
-            run, data = run_state.read_for_load(root, index.meta, comm.rank, comm.size, sampler)
-        result.update(index=index, matched=matched, run=run if restore_rng else None, data=data)
-        return {}
-
-    def load() -> dict[str, Any]:
-        index = result["index"]
-        if sampler is not None:
-            sampler.load_state_dict(result["data"])
-        with CheckpointReader(root, index) as reader:
-            _load_params(index, reader, slots, result["matched"])
-            if optimizer is not None:
-                _load_optimizer(index, reader, slots, optimizer, elsewhere)
-        return {}
-
-    # Every rank checks before any rank changes anything, so a checkpoint that one rank
-    # refuses leaves every rank's model, optimizer and sampler as they were.
-    settle(comm, "load", root, guarded(check))
-    settle(comm, "load", root, guarded(load))
-    if result["run"] is not None:
-        result["run"].restore_rng(comm.rank)
-    result["extra"] = result["index"].extra
-    return result["extra"]
-
-
-def _load_params(
-    index: CheckpointIndex, reader: CheckpointReader, slots: ModelSlots, matched: list
-) -> None:
-    with torch.no_grad():
-        for slot, saved_name in matched:
-            entry = index.params[saved_name]
-            if slot.end > slot.start:
-                read = functools.partial(reader.read_range, saved_name, entry)
-                slot.local_flat().copy_(slot.read_local(read))
-        for name, buffer in slots.buffers.items():
-            entry = index.buffers.get(name)
-            if entry is None:
-                continue  # reported by match_names under strict
-            buffer.copy_(reader.read_full(name, entry))
-
-
-def _saved_groups(index: CheckpointIndex, elsewhere: set[str]) -> list[dict[str, Any]]:
-    """The saved param groups, less the parameters of other pipeline stages."""
-    if index.optim_state is None or index.param_groups is None:
-        raise CheckpointError("the checkpoint holds no optimizer state (saved without optimizer)")
-    return [
-        {**g, "params": [index.resolve(n) for n in g["params"] if n not in elsewhere]}
-        for g in index.param_groups
-    ]
-
-
-def _check_optimizer(index: CheckpointIndex, slots: ModelSlots, optimizer, elsewhere) -> None:
-    saved_class = index.meta.get("optimizer_class")
-    saved = _saved_groups(index, elsewhere)
-    check_fits(optimizer, optimizer_slots(optimizer, slots), saved_class, saved)
-
-
-def _load_optimizer(
-    index: CheckpointIndex,
-    reader: CheckpointReader,
-    slots: ModelSlots,
-    optimizer: torch.optim.Optimizer,
-    elsewhere: set[str],
-) -> None:
-    saved_groups = _saved_groups(index, elsewhere)
-    saved_state = {index.resolve(k): v for k, v in index.optim_state.items()}
-    names = {n: list(states) for n, states in saved_state.items()}
-
-    def read(slot: ParamSlot, state: str) -> Any:
-        entry = saved_state[slot.fqn][state]
-        if isinstance(entry, dict):
-            return entry["value"]
-        if entry.shape == ():
-            return reader.read_full(f"{slot.fqn}/{state}", entry)
-        check_entry(f"{slot.fqn}/{state}", entry, slot.shape, slot.dtype)
-        flat = slot.read_local(lambda s, e: reader.read_range(f"{slot.fqn}/{state}", entry, s, e))
-        return flat.reshape(slot.local.shape)
-
-    groups_slots = optimizer_slots(optimizer, slots)
-    optimizer.load_state_dict(build_load_dict(optimizer, groups_slots, saved_groups, names, read))
+    loading = Loading(
+        root,
+        slots,
+        optimizer,
+        strict=strict,
+        sampler=sampler,
+        restore_rng=restore_rng,
+        elsewhere=elsewhere,
+    )
+    # Every rank checks all it will read before any rank changes anything, so a checkpoint
+    # that one rank refuses leaves every rank as it was ([Note: a refused load changes
+    # nothing] in ckpt/loading.py).
+    try:
+        settle(comm, "load", root, guarded(loading.check), loading.undo_trial)
+        settle(comm, "load", root, guarded(loading.copy))
+    finally:
+        loading.close()
+    if loading.run is not None:
+        loading.run.restore_rng(comm.rank)
+    return loading.index.extra  # type: ignore[union-attr]  # read by the check

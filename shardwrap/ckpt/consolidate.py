@@ -3,6 +3,9 @@
 Both run in one process without ``torch.distributed``. Consolidation streams: the output
 header is computed from the index alone, then each whole tensor is assembled from its
 pieces, cast, written and dropped before the next, so peak memory is about one tensor.
+Every piece is first checked against its file's header ([Note: checked before read] in
+reader.py), so an index that declares a tensor larger than stored is refused, naming
+it, before anything is allocated or written; inspect reports the same checks.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ import torch
 
 from ..base.dtypes import FLOAT_ALIASES
 from ..base.sizes import read_size
-from .format import CheckpointIndex, TensorEntry, dtype_from_name, read_index, write_atomic
+from .format import (
+    CheckpointError,
+    CheckpointIndex,
+    TensorEntry,
+    dtype_from_name,
+    read_index,
+    write_atomic,
+)
 from .reader import CheckpointReader, verify_files
 from .safetensors_writer import StreamItem, write_stream
 
@@ -82,8 +92,10 @@ def consolidate(
     index = read_index(checkpoint)
     if os.path.realpath(out) == os.path.realpath(checkpoint):
         raise ValueError("out: must differ from the checkpoint folder")
-    os.makedirs(out, exist_ok=True)
     reader = CheckpointReader(checkpoint, index, keep_files_open=False)
+    for _, saved, entry in full_tensor_names(index):  # before any output or allocation
+        reader.check_pieces(saved, entry)
+    os.makedirs(out, exist_ok=True)
     items = {
         name: _item(reader, name, saved, entry, dtype)
         for name, saved, entry in full_tensor_names(index)
@@ -134,6 +146,22 @@ def _announced(item: StreamItem, progress: Progress | None, done: int, total: in
     return StreamItem(item.key, item.dtype, item.shape, produce)
 
 
+def piece_problems(checkpoint: str, index: CheckpointIndex) -> list[str]:
+    """Each tensor whose pieces do not match their files' headers (the declared dtype and
+    length, the key present, the file listed and readable): one message per tensor."""
+    reader = CheckpointReader(checkpoint, index, keep_files_open=False)
+    named = [(saved, entry) for _, saved, entry in full_tensor_names(index)]
+    for name, states in (index.optim_state or {}).items():
+        named += [(f"{name}/{k}", e) for k, e in states.items() if isinstance(e, TensorEntry)]
+    problems = []
+    for saved, entry in named:
+        try:
+            reader.check_pieces(saved, entry)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def describe(
     checkpoint: str, *, verify: bool = True, list_tensors: bool = False
 ) -> tuple[str, bool]:
@@ -161,6 +189,9 @@ def describe(
         lines.append("optimizer: none")
     lines.append(f"extra: {json.dumps(index.extra)[:200]}")
     status = verify_files(checkpoint, index) if verify else {f: "not checked" for f in index.files}
+    problems = piece_problems(checkpoint, index) if verify else []
+    if verify:
+        lines.append(f"pieces: {'; '.join(problems[:3]) if problems else 'ok'}")
     for file, entry in sorted(index.files.items()):
         lines.append(
             f"file {file}: {entry.size:,} bytes, {entry.num_chunks} checksum chunks, "
@@ -174,5 +205,5 @@ def describe(
                 f"  {name}: {entry.dtype} {list(entry.shape)} {size:,} bytes "
                 f"in {entry.num_pieces} piece(s){tied}"
             )
-    ok = all(s in ("ok", "not checked") for s in status.values())
+    ok = not problems and all(s in ("ok", "not checked") for s in status.values())
     return "\n".join(lines), ok

@@ -33,6 +33,7 @@ import hashlib
 import json
 from typing import Any
 
+from ..comm.json_values import broadcast_json, gather_json
 from .format import CheckpointError, dtype_name
 from .optim_state import SHARDED, VALUE, hyperparameters, optimizer_slots, state_kind
 from .slots import ModelSlots
@@ -143,14 +144,15 @@ def names_held_elsewhere(slots: ModelSlots, every_rank_names: list[list[str]]) -
 
 
 def every_name(slots: ModelSlots) -> list[str]:
-    """The union of every rank's names: gathered to rank 0, merged, sent back once.
+    """The union of every rank's names: gathered to rank 0, merged, sent back once, as
+    JSON ([Note: no pickle between ranks] in comm/json_values.py).
 
     (An all-gather of each rank's names made every rank receive them once per rank.)
     """
     comm = slots.world_comm
-    gathered = comm.gather_object(local_names(slots), purpose="checkpoint_names")
+    gathered = gather_json(comm, local_names(slots), purpose="checkpoint_names")
     union = sorted({n for names in gathered for n in names}) if gathered is not None else None
-    return comm.broadcast_object(union, purpose="checkpoint_names")  # type: ignore[return-value]
+    return broadcast_json(comm, union, purpose="checkpoint_names")
 
 
 def local_names(slots: ModelSlots) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..comm.json_values import all_gather_json
 from .format import CheckpointError
 
 
@@ -37,8 +38,8 @@ def settle(
         flag = torch.tensor([1 if report["error"] else 0], dtype=torch.int32)
         comm.all_reduce(flag, purpose=purpose).wait()
         failures = int(flag)
-    if failures:
-        errors = comm.all_gather_object(report["error"], purpose=purpose)
+    if failures:  # error texts as JSON: [Note: no pickle between ranks] in comm/json_values.py
+        errors = all_gather_json(comm, report["error"], purpose=purpose)
         raise_failures(what, root, [{"error": e} for e in errors], undo)
 
 

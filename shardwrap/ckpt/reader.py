@@ -2,16 +2,16 @@
 
 A rank asks for elements ``[start, end)`` of one original tensor; the reader opens (memory
 maps) only the files whose pieces overlap that range and reads only those pieces. Every
-piece is checked against its sha256 from the index before any of its data is used, so a
-flipped byte or a truncated file is reported with the file and the tensor it hit.
+piece is checked against its file's header and its sha256 from the index before any of
+its data is used ([Note: checked before read]), so a flipped byte, a truncated file or a
+piece the index declares larger than stored is reported with the file and the tensor it
+hit.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 from typing import Any
 
 import torch
@@ -26,10 +26,23 @@ from .format import (
     member_path,
     tensor_bytes,
 )
+from .stored import StoredFiles
 
 
 class CheckpointReader:
-    """Verified, range-restricted reads from one checkpoint folder."""
+    """Verified, range-restricted reads from one checkpoint folder.
+
+    [Note: checked before read]
+    What a read can find wrong (a file not listed in the index, outside the folder, missing
+    or of another size, missing checksums, a key the file lacks or stores with another
+    dtype or length) is found by :meth:`check_pieces` from the index and the files'
+    headers alone, before anything is read or allocated: a tensor the index declares
+    larger than its pieces are stored cannot make a reader allocate it. :meth:`verify_range`
+    adds the checksums of the chunks a range lies in, without copying the data out, so
+    ``load_checkpoint`` runs it over everything a rank will read before the first tensor
+    is copied, then :meth:`seal` s the reader: a later read that needs a check not made
+    yet is a bug in the loader's plan, and raises instead of changing part of a model.
+    """
 
     def __init__(self, root: str, index: CheckpointIndex, *, keep_files_open: bool = True) -> None:
         self.root = root
@@ -39,7 +52,9 @@ class CheckpointReader:
         self.keep_files_open = keep_files_open
         self._open: dict[str, Any] = {}  # file name -> safe_open handle
         self._verified: set[tuple[str, str, int]] = set()  # (file, key or "", chunk) checked
-        self._offsets: dict[str, dict[str, int]] = {}  # file -> key -> first byte
+        self._files = StoredFiles(root, index)
+        self._checked: set[tuple[str, str, int, torch.dtype]] = set()  # pieces checked
+        self._sealed = False
 
     def close(self) -> None:
         self._open.clear()
@@ -50,18 +65,46 @@ class CheckpointReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_range(self, name: str, entry: TensorEntry, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` of tensor ``name`` flattened (1-D, the stored dtype)."""
+    def seal(self) -> None:
+        """From now on a read needing a check not made yet raises ([Note: checked before
+        read])."""
+        self._sealed = True
+
+    def check_pieces(
+        self, name: str, entry: TensorEntry, start: int = 0, end: int | None = None
+    ) -> list[PieceRef]:
+        """The pieces holding elements ``[start, end)`` of tensor ``name`` (all of it by
+        default), each checked against its file ([Note: checked before read])."""
+        end = entry.numel if end is None else end
         if not 0 <= start <= end <= entry.numel:
             raise CheckpointError(
                 f"tensor {name!r}: range [{start}, {end}) outside its {entry.numel} elements"
             )
         dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
-        overlapping = entry.overlapping(start, end)
+        pieces = entry.overlapping(start, end)
+        for piece in pieces:
+            if (piece.file, piece.key, piece.end - piece.start, dtype) not in self._checked:
+                self._check_unsealed(self._where(name, piece))
+                self._files.check_piece(self._where(name, piece), piece, dtype)
+                self._checked.add((piece.file, piece.key, piece.end - piece.start, dtype))
+        return pieces
+
+    def verify_range(self, name: str, entry: TensorEntry, start: int, end: int) -> None:
+        """Every check :meth:`read_range` makes, chunk checksums included, without keeping
+        the data ([Note: checked before read])."""
+        dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
+        for piece in self.check_pieces(name, entry, start, end):
+            first, last = max(start, piece.start), min(end, piece.end)
+            self._verify_piece(name, piece, first - piece.start, last - piece.start, dtype)
+
+    def read_range(self, name: str, entry: TensorEntry, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of tensor ``name`` flattened (1-D, the stored dtype)."""
+        overlapping = self.check_pieces(name, entry, start, end)
+        dtype = dtype_from_name(entry.dtype, f"tensor {name!r}")
         if len(overlapping) == 1:  # the common case: no extra copy
             piece = overlapping[0]
             return self._piece_range(name, piece, start - piece.start, end - piece.start, dtype)
-        out = torch.empty(end - start, dtype=dtype)
+        out = torch.empty(end - start, dtype=dtype)  # the pieces are stored: it fits in them
         for piece in overlapping:
             lo, hi = max(start, piece.start), min(end, piece.end)
             data = self._piece_range(name, piece, lo - piece.start, hi - piece.start, dtype)
@@ -71,22 +114,36 @@ class CheckpointReader:
     def read_full(self, name: str, entry: TensorEntry) -> torch.Tensor:
         return self.read_range(name, entry, 0, entry.numel).view(entry.shape)
 
+    def _where(self, name: str, piece: PieceRef) -> str:
+        return f"checkpoint {self.root}: file {piece.file!r}, tensor {name!r} (key {piece.key!r})"
+
+    def _check_unsealed(self, where: str) -> None:
+        if self._sealed:
+            raise RuntimeError(
+                f"{where}: read without the check load_checkpoint makes before it copies "
+                "anything (its plan of reads missed this one; a shardwrap bug)"
+            )
+
     def _piece_range(
         self, name: str, piece: PieceRef, first: int, last: int, dtype: torch.dtype
     ) -> torch.Tensor:
         """Elements ``[first, last)`` of a stored piece, verifying the chunks that hold them."""
-        where = f"checkpoint {self.root}: file {piece.file!r}, tensor {name!r} (key {piece.key!r})"
-        file_entry = self.index.files[piece.file]
-        numel = piece.end - piece.start
-        if isinstance(file_entry.chunk_sha256, dict):  # format 1: chunks of each tensor
-            return self._piece_range_v1(where, piece, first, last, numel, dtype)
-        data = self._read_slice(where, piece, first, last, numel, dtype)
-        offset = self._data_offset(piece.file, piece.key, where)
-        itemsize = data.element_size()
-        self._verify_file_bytes(
-            where, piece.file, offset + first * itemsize, last - first, itemsize
-        )
+        where = self._where(name, piece)
+        if isinstance(self.index.files[piece.file].chunk_sha256, dict):  # format 1
+            return self._piece_range_v1(where, piece, first, last, piece.end - piece.start, dtype)
+        data = self._read_slice(where, piece, first, last, piece.end - piece.start, dtype)
+        self._verify_piece(name, piece, first, last, dtype)
         return data
+
+    def _verify_piece(self, name: str, piece: PieceRef, first: int, last: int, dtype) -> None:
+        """Check the chunks that hold elements ``[first, last)`` of a stored piece."""
+        where = self._where(name, piece)
+        if isinstance(self.index.files[piece.file].chunk_sha256, dict):  # format 1
+            # its chunks are of the tensor's bytes: read them to hash them
+            self._piece_range_v1(where, piece, first, last, piece.end - piece.start, dtype)
+            return
+        start = self._files.data_offset(piece.file, piece.key) + first * dtype.itemsize
+        self._verify_file_bytes(where, piece.file, start, last - first, dtype.itemsize)
 
     def _verify_file_bytes(self, where: str, file: str, start: int, count: int, itemsize: int):
         """Check the file's chunks that hold ``count`` elements from byte ``start``."""
@@ -96,56 +153,25 @@ class CheckpointReader:
         todo = [c for c in chunks if (file, "", c) not in self._verified]
         if not todo:
             return
+        self._check_unsealed(where)
         if todo[-1] >= len(digests):
             raise CheckpointError(f"{where}: the index lacks its checksums")
-        with open(member_path(self.root, file), "rb") as handle:
+        with open(self._files.checked_path(file, where), "rb") as handle:
             for chunk in todo:
                 handle.seek(chunk * size)
                 if hashlib.sha256(handle.read(size)).hexdigest() != digests[chunk]:
+                    held = self._files.keys_in(file, chunk * size, (chunk + 1) * size)
                     raise CheckpointError(
                         f"{where}: checksum mismatch in bytes {chunk * size}..{(chunk + 1) * size} "
-                        f"of the file, {self._keys_in(file, chunk * size, (chunk + 1) * size)} "
-                        "(the file is corrupt)"
+                        f"of the file, {held} (the file is corrupt)"
                     )
                 self._verified.add((file, "", chunk))
-
-    def _keys_in(self, file: str, start: int, end: int) -> str:
-        """Which tensors bytes ``[start, end)`` of ``file`` hold, for an error message."""
-        offsets = sorted(self._offsets.get(file, {}).items(), key=lambda item: item[1])
-        ends = [at for _, at in offsets[1:]] + [end]
-        keys = [k for (k, at), stop in zip(offsets, ends, strict=True) if at < end and stop > start]
-        if not keys:
-            return "its header"
-        shown = ", ".join(repr(k) for k in keys[:8])
-        return f"which hold {shown}" + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-
-    def _data_offset(self, file: str, key: str, where: str) -> int:
-        """Where tensor ``key``'s bytes start in ``file`` (from its safetensors header)."""
-        if file not in self._offsets:
-            path = member_path(self.root, file)
-            try:
-                with open(path, "rb") as handle:
-                    (length,) = struct.unpack("<Q", handle.read(8))
-                    header = json.loads(handle.read(length))
-                self._offsets[file] = {
-                    k: 8 + length + int(v["data_offsets"][0])
-                    for k, v in header.items()
-                    if k != "__metadata__"
-                }
-            except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-                raise CheckpointError(f"{where}: unreadable safetensors header ({exc})") from exc
-        if key not in self._offsets[file]:
-            raise CheckpointError(f"{where}: the file holds no tensor {key!r}")
-        return self._offsets[file][key]
 
     def _piece_range_v1(self, where: str, piece: PieceRef, first: int, last: int, numel, dtype):
         """Format 1: each tensor hashed apart; read and verify whole chunks of the tensor."""
         file_entry = self.index.files[piece.file]
-        digests = file_entry.chunk_sha256.get(piece.key)  # type: ignore[union-attr]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_chunk = file_entry.chunk_bytes // itemsize
-        if digests is None or len(digests) != -(-numel // per_chunk):
-            raise CheckpointError(f"{where}: the index lacks its checksums")
+        digests = file_entry.chunk_sha256[piece.key]  # type: ignore[index]  # checked
+        per_chunk = file_entry.chunk_bytes // dtype.itemsize
         first_chunk, end_chunk = first // per_chunk, -(-last // per_chunk)
         lo, hi = first_chunk * per_chunk, min(numel, end_chunk * per_chunk)
         data = self._read_slice(where, piece, lo, hi, numel, dtype)
@@ -153,6 +179,7 @@ class CheckpointReader:
         for chunk in range(first_chunk, end_chunk):
             if (piece.file, piece.key, chunk) in self._verified:
                 continue
+            self._check_unsealed(where)
             size = file_entry.chunk_bytes
             offset = (chunk - first_chunk) * size
             actual = hashlib.sha256(raw[offset : offset + size]).hexdigest()
@@ -182,16 +209,7 @@ class CheckpointReader:
     def _handle(self, file: str, where: str):
         if file in self._open:
             return self._open[file]
-        path = member_path(self.root, file)
-        expected = self.index.files[file]
-        if not os.path.exists(path):
-            raise CheckpointError(f"{where}: the file is missing")
-        size = os.path.getsize(path)
-        if size != expected.size:
-            raise CheckpointError(
-                f"{where}: the file has {size} bytes, the index says {expected.size} "
-                "(truncated or replaced)"
-            )
+        path = self._files.checked_path(file, where)
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as exc:

@@ -66,11 +66,17 @@ class ParamSlot:
             return [("", flat, self.start)]
         return [(f"@{g}", flat[lo:hi], g) for lo, hi, g in self.global_runs()]
 
-    def read_local(self, read: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
-        """This rank's ``end - start`` elements, from ``read(global_start, global_end)``."""
+    def global_ranges(self) -> list[tuple[int, int]]:
+        """The global tensor's flattened ranges ``[start, end)`` that ``local_flat()``
+        holds, in its order (one empty range when it holds none of a TP block)."""
         if self.tp is None:
-            return read(self.start, self.end)
-        parts = [read(g, g + hi - lo) for lo, hi, g in self.global_runs()] or [read(0, 0)]
+            return [(self.start, self.end)]
+        return [(g, g + hi - lo) for lo, hi, g in self.global_runs()] or [(0, 0)]
+
+    def read_local(self, read: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """This rank's ``end - start`` elements, from ``read(global_start, global_end)``
+        over :meth:`global_ranges`."""
+        parts = [read(start, end) for start, end in self.global_ranges()]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def piece_of_whole(self, whole: torch.Tensor) -> torch.Tensor:

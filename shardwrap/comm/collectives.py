@@ -162,6 +162,19 @@ class Communicator:
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
         return gathered
 
+    def gather(self, tensor: torch.Tensor, *, purpose: str, dst_rank: int = 0) -> list | None:
+        """Every rank's ``tensor`` (the same shape and dtype on every rank) on group rank
+        ``dst_rank``, by rank, as host tensors; ``None`` on the others."""
+        if self.size == 1:
+            return [tensor.detach().clone()]
+        self._record("gather", purpose, tensor)
+        staged = self._stage(tensor)
+        gathered = (
+            [torch.empty_like(staged) for _ in range(self.size)] if self.rank == dst_rank else None
+        )
+        dist.gather(staged, gathered, group=self.group, group_dst=dst_rank)
+        return None if gathered is None else [t.cpu() for t in gathered]
+
     def gather_object(self, obj: object, *, purpose: str, dst_rank: int = 0) -> list | None:
         """Every rank's ``obj`` on group rank ``dst_rank`` (by rank); ``None`` on the others.
 
@@ -169,6 +182,7 @@ class Communicator:
         rank other than ``dst_rank`` receives does not grow with the group: an all-reduce
         of the largest size (8 bytes), then a gather of the pickled objects padded to it.
         Recorded as that all-reduce and a ``gather_object`` of this rank's pickled bytes.
+        (JSON values travel without pickle: :mod:`.json_values`.)
         """
         if self.size == 1:
             return [obj]

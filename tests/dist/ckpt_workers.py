@@ -226,22 +226,6 @@ def load_outcomes(rank: int, world_size: int, strategy: str, paths: list[str], s
     return outcomes
 
 
-def bad_load_outcomes(rank: int, world_size: int, cases: list[tuple[str, dict, bool]]):
-    """For each ``(path, TinyGPT kwargs or {"mlp": True}, strict)``: 'ok' or the error."""
-    outcomes = []
-    for path, model_kwargs, strict in cases:
-        torch.manual_seed(3)
-        model = models.MLP() if model_kwargs.get("mlp") else models.TinyGPT(**model_kwargs)
-        sharded = wrap(model, world_size, "FULL_SHARD")
-        optim = parity.make_optimizer(sharded, "adamw")
-        try:
-            load_checkpoint(path, sharded, optim if strict else None, strict=strict)
-            outcomes.append("ok")
-        except CheckpointError as exc:
-            outcomes.append(str(exc))
-    return outcomes
-
-
 def pretrained_outcomes(rank: int, world_size: int, cases: list[tuple[str, str]], snapshot):
     """Load each Hugging Face-layout ``path``; check pieces against the snapshot in ``dtype``."""
     from shardwrap.ckpt.pretrained import load_pretrained

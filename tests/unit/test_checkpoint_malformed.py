@@ -1,9 +1,9 @@
 """Malformed checkpoints and failed saves (issue #20, item 2): each refusal names the file
-and the key, and a refused load leaves the model and the optimizer as they were."""
+and the key, and a refused load leaves the model, the optimizer, the sampler and the
+random streams as they were."""
 
 from __future__ import annotations
 
-import copy
 import errno
 import json
 import os
@@ -13,10 +13,17 @@ import shutil
 import pytest
 import torch
 
-from shardwrap import CheckpointError, ShardedModule, load_checkpoint, save_checkpoint
+from shardwrap import (
+    CheckpointError,
+    ResumableSampler,
+    ShardedModule,
+    load_checkpoint,
+    save_checkpoint,
+)
 from shardwrap.ckpt import safetensors_writer
 from tests import models
 from tests.dist import parity
+from tests.dist.refusal_cases import changes, run_snapshot
 
 
 def _trained(kind: str, seed: int = 0):
@@ -29,27 +36,16 @@ def _trained(kind: str, seed: int = 0):
     return model, optim
 
 
-def _snapshot(model, optim):
-    params = [p.detach().clone() for p in model.parameters()]
-    return params, copy.deepcopy(optim.state_dict())
-
-
-def _assert_unchanged(model, optim, snapshot) -> None:
-    params, state = snapshot
-    for before, after in zip(params, model.parameters(), strict=True):
-        torch.testing.assert_close(after, before, rtol=0, atol=0)
-    now = optim.state_dict()
-    assert now["param_groups"] == state["param_groups"]
-    assert now["state"].keys() == state["state"].keys()
-    for key, values in state["state"].items():
-        for name, value in values.items():
-            torch.testing.assert_close(now["state"][key][name], value, rtol=0, atol=0)
+def _sampler() -> ResumableSampler:
+    return ResumableSampler(12, global_batch_size=3, rank=0, world_size=1, seed=2)
 
 
 @pytest.fixture
 def adamw_checkpoint(one_rank, tmp_path):
     model, optim = _trained("adamw")
-    save_checkpoint(tmp_path / "adamw", model, optim)
+    sampler = _sampler()
+    next(iter(sampler))
+    save_checkpoint(tmp_path / "adamw", model, optim, sampler=sampler)
     return str(tmp_path / "adamw")
 
 
@@ -64,14 +60,17 @@ def _edited(source: str, folder: str, edit) -> str:
 
 
 def _refused(folder: str, kind: str, *patterns: str) -> None:
-    """Loading ``folder`` into a trained model and ``kind`` optimizer fails, changing nothing."""
+    """Loading ``folder`` into a trained model and ``kind`` optimizer fails, changing nothing:
+    parameters, buffers, optimizer, sampler, random streams."""
     model, optim = _trained(kind, seed=5)
-    snapshot = _snapshot(model, optim)
+    sampler = _sampler()
+    torch.manual_seed(77)  # other streams than the saved ones
+    snapshot = run_snapshot(model, optim, sampler)
     with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(folder, model, optim)
+        load_checkpoint(folder, model, optim, sampler=sampler)
     for pattern in patterns:
         assert pattern in str(caught.value), str(caught.value)
-    _assert_unchanged(model, optim, snapshot)
+    assert changes(snapshot, run_snapshot(model, optim, sampler)) == []
     models.mlp_loss(model, models.mlp_batch(1)).backward()
     optim.step()  # still usable
 
@@ -161,3 +160,20 @@ def test_a_later_parameter_of_another_dtype_changes_nothing(adamw_checkpoint, tm
 
     folder = _edited(adamw_checkpoint, str(tmp_path / "dtype"), other_dtype)
     _refused(folder, "adamw", "'head.bias'", "checkpoint dtype torch.float64")
+
+
+@pytest.mark.parametrize("section", ["params", "optimizer"])
+def test_a_later_piece_its_file_lacks_changes_nothing(adamw_checkpoint, tmp_path, section):
+    """Found while reading the last parameter (or its optimizer state): found before the
+    first copy instead ([Note: a refused load changes nothing])."""
+
+    def renamed(text: str) -> str:
+        raw = json.loads(text)
+        entry = raw["params"]["head.bias"]
+        if section == "optimizer":
+            entry = raw["optimizer"]["state"]["head.bias"]["exp_avg"]
+        entry["pieces"][0]["key"] += "~"
+        return json.dumps(raw)
+
+    folder = _edited(adamw_checkpoint, str(tmp_path / "renamed"), renamed)
+    _refused(folder, "adamw", "'head.bias", "~'")

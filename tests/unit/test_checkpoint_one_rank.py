@@ -15,6 +15,7 @@ from shardwrap import (
 from shardwrap.ckpt.consolidate import parse_dtype, parse_size, plan_shards
 from tests import models
 from tests.dist import parity
+from tests.dist.refusal_cases import changes, run_snapshot
 
 
 def _trained_mlp_with_sgd():
@@ -57,8 +58,10 @@ def test_bad_arguments_are_named(one_rank, tmp_path):
     with pytest.raises(CheckpointError, match=r"param_groups\[0\] holds a tensor of shape \(3,\)"):
         save_checkpoint(tmp_path / "c", model, foreign)
     save_checkpoint(tmp_path / "c", model)
+    before = run_snapshot(model, optim, None)
     with pytest.raises(CheckpointError, match="holds no optimizer state"):
         load_checkpoint(tmp_path / "c", model, optim)
+    assert changes(before, run_snapshot(model, optim, None)) == []
     with pytest.raises(TypeError, match="expected a ShardedModule"):
         save_checkpoint(tmp_path / "c", models.MLP())
 
@@ -90,8 +93,10 @@ def test_parameters_outside_units_and_dtype_mismatch(one_rank, tmp_path):
     for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
     wide = ShardedModule(models.MLP().double())
+    before = run_snapshot(wide, None, None)
     with pytest.raises(CheckpointError, match="'body.0.weight': checkpoint dtype torch.float32"):
         load_checkpoint(tmp_path / "c", wide)
+    assert changes(before, run_snapshot(wide, None, None)) == []
 
 
 def test_mixed_precision_saves_the_fp32_master_weights(one_rank, tmp_path):
