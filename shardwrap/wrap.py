@@ -26,6 +26,7 @@ from .build.setup import (
     resolve_ignored,
     shard_root,
 )
+from .build.unused_args import note_unused_args
 from .ckpt import fsdp1 as _fsdp1
 from .ckpt import fsdp1_rekey
 from .ckpt import state_dict as _state_dict
@@ -180,8 +181,11 @@ class ShardedModule(
         self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
         self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
         self.forward_prefetch = check_bool("forward_prefetch", forward_prefetch)
+        # Kept for FSDP's attribute names; what shardwrap does instead: [Note: FSDP1
+        # arguments not acted on] in build/unused_args.py.
         self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
         self.use_orig_params = check_bool("use_orig_params", use_orig_params)
+        note_unused_args(limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params)
         # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
         self.param_persistence_threshold = check_threshold(param_persistence_threshold)
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
