@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch import nn
 
+import shardwrap
 from shardwrap.base.warn_once import forget_warned
 from shardwrap.deepspeed import config as ds_config
 from shardwrap.deepspeed import keys as ds_keys
@@ -305,3 +307,30 @@ def test_negative_control_an_unread_field_is_caught():
 
     unread = _unread_fields([WithDeadField], _attributes_read(PACKAGE))
     assert unread == ["WithDeadField.a_field_nothing_reads"]
+
+
+@pytest.mark.parametrize(
+    ("zero", "precision", "budgets"),
+    [
+        # elements x bytes: reductions in reduce_dtype, gathers in the compute dtype
+        ({"stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 10}, {}, (4000, 40)),
+        (
+            {"stage": 3, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 10},
+            {"bf16": {"enabled": True}},
+            (2000, 20),
+        ),
+        ({"stage": 3}, {}, (None, 0)),  # absent: shardwrap's own defaults
+    ],
+)
+def test_bucket_sizes_become_the_engines_budgets(one_rank, zero, precision, budgets):
+    from torch import nn
+
+    import shardwrap
+
+    config = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {}}}
+    engine, *_ = shardwrap.initialize(
+        model=nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
+        config={**config, "zero_optimization": zero, **precision},
+    )
+    schedule = engine.module._runtime.schedule
+    assert (schedule.reduce_bucket_bytes, schedule.all_gather_bucket_bytes) == budgets
