@@ -323,9 +323,6 @@ def test_negative_control_an_unread_field_is_caught():
     ],
 )
 def test_bucket_sizes_become_the_engines_budgets(one_rank, zero, precision, budgets):
-    from torch import nn
-
-    import shardwrap
 
     config = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {}}}
     engine, *_ = shardwrap.initialize(
