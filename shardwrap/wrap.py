@@ -14,6 +14,7 @@ from torch import nn
 from . import hooks
 from .base.records import as_record
 from .base.validate import check_bool
+from .base.warn_once import warn_once
 from .build import casts as precision
 from .build.agreement import agreed_options
 from .build.comm_quant import quantize_comms
@@ -288,6 +289,12 @@ class ShardedModule(
         """Under ``FULL_STATE_DICT`` (default): whole tensors, the unwrapped model's keys."""
         if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+        if keep_vars:
+            warn_once(
+                "ShardedModule.state_dict(keep_vars=True)",
+                "not acted on: the values are gathered or sharded copies, not the module's "
+                "parameters (which are views of this rank's shard); they carry no autograd state",
+            )
         return _state_dict.module_state_dict(self, destination=destination, prefix=prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
