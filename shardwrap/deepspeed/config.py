@@ -10,8 +10,8 @@ knobs) are validated and not kept; each warns once when it asks for something sh
 does not do ([Note: DeepSpeed keys not acted on] in ``unused.py``). Bucket sizes become
 shardwrap's bucket budgets ([Note: bucket sizes] in ``zero.py``).
 
-One exception: ``stage3_param_persistence_threshold``, *when the config gives it* at
-stage 3, becomes ``ShardedModule``'s ``param_persistence_threshold``
+Likewise ``stage3_param_persistence_threshold``, *when the config gives it* at stage 3,
+becomes ``ShardedModule``'s ``param_persistence_threshold``
 (``ZeroConfig.unit_persistence_threshold``). DeepSpeed's threshold is per parameter and
 ours per unit, so DeepSpeed's default (1e5) is not applied: on a small model it would
 keep whole transformer blocks replicated, far more than DeepSpeed keeps.
