@@ -49,7 +49,7 @@ class ZeroConfig:
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     # Elements stepped between page releases under nvme offload (DiskOffload.sub_group_size);
     # DeepSpeed's default when no nvme offload uses it.
-    sub_group_size: int = 1_000_000_000  # SUB_GROUP_SIZE
+    sub_group_size: int = 1_000_000_000
     # ZeRO++ (stage 3 only): ShardedModule's comm_quantization, see docs/zeropp.md
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
