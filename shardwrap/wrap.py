@@ -15,6 +15,7 @@ from . import hooks
 from .base.compiler import run_eagerly
 from .base.records import as_record
 from .base.validate import check_bool
+from .base.warn_once import warn_once
 from .build import casts as precision
 from .build.agreement import agreed_options
 from .build.comm_quant import quantize_comms
@@ -27,6 +28,7 @@ from .build.setup import (
     resolve_ignored,
     shard_root,
 )
+from .build.unused_args import note_unused_args
 from .ckpt import fsdp1 as _fsdp1
 from .ckpt import fsdp1_rekey
 from .ckpt import state_dict as _state_dict
@@ -181,8 +183,11 @@ class ShardedModule(
         self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
         self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
         self.forward_prefetch = check_bool("forward_prefetch", forward_prefetch)
+        # Kept for FSDP's attribute names; what shardwrap does instead: [Note: FSDP1
+        # arguments not acted on] in build/unused_args.py.
         self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
         self.use_orig_params = check_bool("use_orig_params", use_orig_params)
+        note_unused_args(limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params)
         # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
         self.param_persistence_threshold = check_threshold(param_persistence_threshold)
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
@@ -287,6 +292,12 @@ class ShardedModule(
         """Under ``FULL_STATE_DICT`` (default): whole tensors, the unwrapped model's keys."""
         if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+        if keep_vars:
+            warn_once(
+                "ShardedModule.state_dict(keep_vars=True)",
+                "not acted on: the values are gathered or sharded copies, not the module's "
+                "parameters (which are views of this rank's shard); they carry no autograd state",
+            )
         return _state_dict.module_state_dict(self, destination=destination, prefix=prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

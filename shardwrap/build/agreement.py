@@ -54,12 +54,14 @@ def plan_entries(
 
 
 def agreed_options(wrapper: Any) -> str:
-    """A ``ShardedModule``'s options that every rank must share, besides its units."""
+    """A ``ShardedModule``'s options that every rank must share, besides its units.
+
+    Only options that change which collectives run: ``limit_all_gathers`` and
+    ``use_orig_params`` change nothing ([Note: FSDP1 arguments not acted on]), so ranks
+    may differ in them.
+    """
     offload = type(wrapper.cpu_offload).__name__ if wrapper.cpu_offload else "no offload"
-    return (
-        f"{wrapper.backward_prefetch}, forward_prefetch={wrapper.forward_prefetch}, "
-        f"limit_all_gathers={wrapper.limit_all_gathers}, {offload}"
-    )
+    return f"{wrapper.backward_prefetch}, forward_prefetch={wrapper.forward_prefetch}, {offload}"
 
 
 def check_plan(

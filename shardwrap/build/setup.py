@@ -25,6 +25,7 @@ from .agreement import check_plan, plan_entries
 from .comms import RootComms, UnitComms
 from .deferred_init import UnitMaterializer, has_meta
 from .units import build_unit
+from .unused_args import note_param_init_fn_unused
 
 
 def build_units(
@@ -154,6 +155,8 @@ def shard_root(
     of what they must agree on; see [Note: rank agreement]).
     """
     deferred = has_meta(module)
+    if param_init_fn is not None and not deferred:
+        note_param_init_fn_unused()  # [Note: FSDP1 arguments not acted on]
     device = torch.device("cpu") if device_id is None else torch.device(device_id)
     if device_id is not None and not deferred:
         module.to(device)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..base.warn_once import warn_once
 from ..comm.collectives import Communicator
 from ..fsdp1_options import (
     FullOptimStateDictConfig,
@@ -248,9 +249,15 @@ def full_optim_state_dict(
 ) -> dict[str, Any]:
     """Whole optimizer state keyed by parameter name (``rank0_only``: ``{}`` elsewhere).
 
-    ``optim_input`` (deprecated in torch) changes nothing: names come from ``optim``.
+    ``optim_input`` (deprecated in torch) changes nothing: names come from ``optim``
+    (given, it warns once).
     """
     _legacy("full_optim_state_dict", "optim_state_dict")
+    if optim_input is not None:
+        warn_once(
+            "full_optim_state_dict(optim_input=...)",
+            "not acted on: parameter names and order come from the optimizer's own groups",
+        )
     config = FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only)
     with _temporarily(model, StateDictType.FULL_STATE_DICT, None, config):
         return optim_state_dict(model, optim, group=group)

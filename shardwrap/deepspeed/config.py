@@ -5,15 +5,13 @@ that suggests the nearest known one; a DeepSpeed key whose feature shardwrap doe
 implement is an error that says so (unless it is set to the value that leaves the
 feature off). Defaults are DeepSpeed's. Sizes count elements, as in DeepSpeed.
 
-[Note: accepted tuning keys]
-Some ``zero_optimization`` keys tune how DeepSpeed schedules its communication
-(bucket sizes, overlap, prefetch depth, persistence threshold, live-parameter caps).
-They never change results. shardwrap communicates one flat buffer per wrapped unit, so
-its "bucket" is the unit; these keys are validated and kept on :class:`ZeroConfig` but
-do not alter the schedule (docs/deepspeed.md lists each one).
+Keys that shardwrap accepts and does not act on (DeepSpeed's own scheduling and staging
+knobs) are validated and not kept; each warns once when it asks for something shardwrap
+does not do ([Note: DeepSpeed keys not acted on] in ``unused.py``). Bucket sizes become
+shardwrap's bucket budgets ([Note: bucket sizes] in ``zero.py``).
 
-One exception: ``stage3_param_persistence_threshold``, *when the config gives it* at
-stage 3, becomes ``ShardedModule``'s ``param_persistence_threshold``
+Likewise ``stage3_param_persistence_threshold``, *when the config gives it* at stage 3,
+becomes ``ShardedModule``'s ``param_persistence_threshold``
 (``ZeroConfig.unit_persistence_threshold``). DeepSpeed's threshold is per parameter and
 ours per unit, so DeepSpeed's default (1e5) is not applied: on a small model it would
 keep whole transformer blocks replicated, far more than DeepSpeed keeps.
@@ -30,6 +28,7 @@ from ..base.validate import unique_keys
 from . import keys as ds_keys
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .sections import Section
+from .unused import FP16_OFF, note_off_block, note_unused
 from .zero import ZeroConfig, parse_zero
 
 _ALWAYS = object()  # an "off value" no config can hold: the key is always rejected
@@ -38,10 +37,11 @@ MAX_INITIAL_SCALE_POWER = 63  # 2**63: far past any useful fp16 loss scale (fp16
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FP16Config:
-    """``fp16``; ``loss_scale`` 0 means dynamic loss scaling."""
+    """``fp16``; ``loss_scale`` 0 means dynamic loss scaling. The loss-scaling keys are
+    kept only when the block is enabled (they warn otherwise); ``auto_cast`` is what
+    shardwrap always does (floating inputs are cast)."""
 
     enabled: bool = False
-    auto_cast: bool = False
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
@@ -226,17 +226,18 @@ def _parse_pipeline(raw: dict) -> PipelineConfig:
     # pipe_/grad_partitioned split activations over tensor-parallel ranks: nothing to do here.
     known = {"stages", "pipe_partitioned", "grad_partitioned"}
     section = Section("pipeline", raw, known=known, unsupported=_PIPELINE_REFUSALS)
-    section.boolean("pipe_partitioned", True)
-    section.boolean("grad_partitioned", True)
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        note_unused(section, key, section.boolean(key, True), True)
     return PipelineConfig(stages=section.integer("stages", None, minimum=1))
 
 
 def _parse_fp16(raw: dict) -> FP16Config:
-    names = {f for f in FP16Config.__dataclass_fields__}
+    names = set(FP16Config.__dataclass_fields__) | {"auto_cast"}
     section = Section("fp16", raw, known=names, unsupported=ds_keys.refusals(ds_keys.FP16_KEYS))
-    return FP16Config(
-        enabled=section.boolean("enabled", False),
-        auto_cast=section.boolean("auto_cast", False),
+    enabled = section.boolean("enabled", False)
+    note_unused(section, "auto_cast", section.boolean("auto_cast", False), False)
+    parsed = FP16Config(
+        enabled=enabled,
         loss_scale=section.number("loss_scale", 0.0, minimum=0.0),
         initial_scale_power=section.integer(
             "initial_scale_power", 16, minimum=0, maximum=MAX_INITIAL_SCALE_POWER
@@ -246,6 +247,12 @@ def _parse_fp16(raw: dict) -> FP16Config:
         consecutive_hysteresis=section.boolean("consecutive_hysteresis", False),
         min_loss_scale=section.number("min_loss_scale", 1.0, minimum=0.0),
     )
+    if enabled:
+        return parsed
+    defaults = FP16Config()
+    scaling = sorted(names - {"enabled", "auto_cast"})
+    note_off_block(section, {key: getattr(defaults, key) for key in scaling}, FP16_OFF)
+    return defaults
 
 
 def derive_batch_sizes(

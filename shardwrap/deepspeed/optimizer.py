@@ -20,6 +20,7 @@ import torch
 from . import keys as ds_keys
 from . import lr_schedules
 from .sections import Section, unknown_key_message
+from .unused import note_unused
 
 
 class OptimizerType(enum.Enum):
@@ -80,7 +81,6 @@ class OptimizerConfig:
     def build(self, parameters: Iterable[Any]) -> torch.optim.Optimizer:
         """The torch optimizer over ``parameters`` (tensors or param-group dicts)."""
         kwargs = self.kwargs
-        kwargs.pop("torch_adam", None)  # we always use torch's implementation
         if self.type is OptimizerType.SGD:
             return torch.optim.SGD(parameters, **kwargs)
         decoupled = kwargs.pop("adam_w_mode", True)
@@ -135,7 +135,8 @@ def parse_optimizer(raw: object) -> OptimizerConfig:
         values["betas"] = _betas(params.get("betas", (0.9, 0.999)))
         values["eps"] = params.number("eps", 1e-8, minimum=0.0)
         values["amsgrad"] = params.boolean("amsgrad", False)
-        values["torch_adam"] = params.boolean("torch_adam", False)
+        # torch's Adam is always used: what torch_adam: true asks for
+        note_unused(params, "torch_adam", params.boolean("torch_adam", False), False)
         foreach = params.get("foreach")
         if foreach is not None and not isinstance(foreach, bool):
             raise TypeError(

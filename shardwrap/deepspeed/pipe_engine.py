@@ -31,7 +31,13 @@ from . import front_door
 from .config import DeepSpeedConfig
 from .engine import ShardedEngine
 from .pipe_module import PipelineModule
-from .setup import attach_optimizer, build_scheduler, mixed_precision_of
+from .setup import (
+    apply_buckets,
+    attach_optimizer,
+    build_scheduler,
+    comm_quantization_of,
+    mixed_precision_of,
+)
 from .zero import OffloadDevice
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_ (and grad_clip.py)
@@ -56,7 +62,9 @@ def initialize_pipeline(model: PipelineModule, **arguments: Any):
         sharding_strategy=STAGE_STRATEGIES[parsed.zero_optimization.stage],
         auto_wrap_policy=arguments.get("auto_wrap_policy") or _each_layer(model),
         mixed_precision=mixed_precision_of(parsed),
+        param_persistence_threshold=parsed.zero_optimization.unit_persistence_threshold,
     )
+    apply_buckets(sharded, parsed.zero_optimization)
     names = {id(p): n for n, p in sharded.named_parameters()}
     optimizer = attach_optimizer(sharded, parsed, None, None, names)
     scheduler = build_scheduler(parsed, optimizer, arguments.get("lr_scheduler"))
@@ -77,6 +85,11 @@ def _checked_config(parsed: DeepSpeedConfig, model: PipelineModule) -> DeepSpeed
     devices = {zero.offload_param.device, zero.offload_optimizer.device}
     if devices != {OffloadDevice.NONE}:
         raise ValueError("zero_optimization: offload is not supported with a PipelineModule")
+    if comm_quantization_of(zero) is not None:
+        raise ValueError(
+            "zero_optimization: ZeRO++ (zero_quantized_weights, zero_quantized_gradients, "
+            "zero_hpz_partition_size) is not supported with a PipelineModule"
+        )
     if model.loss_fn is None:
         raise ValueError("loss_fn: a PipelineModule for train_batch needs loss_fn")
     return parsed

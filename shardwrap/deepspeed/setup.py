@@ -82,23 +82,55 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
                 f"zero_optimization.stage3_param_persistence_threshold is {threshold}"
             )
         _check_prewrapped_quantization(model, comm_quantization_of(zero))
-        return model
-    return ShardedModule(
-        model,
-        sharding_strategy=strategy,
-        auto_wrap_policy=auto_wrap_policy,
-        cpu_offload=cpu_offload,
-        mixed_precision=mixed_precision_of(config),
-        param_persistence_threshold=zero.unit_persistence_threshold,
-        comm_quantization=comm_quantization_of(zero),
-    )
+        sharded = model
+    else:
+        sharded = ShardedModule(
+            model,
+            sharding_strategy=strategy,
+            auto_wrap_policy=auto_wrap_policy,
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision_of(config),
+            param_persistence_threshold=zero.unit_persistence_threshold,
+            comm_quantization=comm_quantization_of(zero),
+        )
+    apply_buckets(sharded, zero)
+    return sharded
+
+
+def apply_buckets(sharded: ShardedModule, zero: ZeroConfig) -> None:
+    """The config's bucket sizes (elements) as ``sharded``'s byte budgets, where given.
+
+    See [Note: bucket sizes] in ``zero.py``: reductions move ``reduce_dtype`` elements,
+    all-gathers the compute dtype's; without mixed precision both are the parameters'.
+    """
+    precision = sharded.mixed_precision
+    own = next((p.dtype for p in sharded.parameters() if p.is_floating_point()), torch.float32)
+    compute = (precision.param_dtype if precision else None) or own
+    reduce = (precision.reduce_dtype if precision else None) or compute
+    if zero.reduce_bucket_size is not None:
+        sharded.set_reduce_bucket_size(zero.reduce_bucket_size * reduce.itemsize)
+    if zero.all_gather_bucket_size is not None:
+        sharded.set_all_gather_bucket_size(zero.all_gather_bucket_size * compute.itemsize)
+
+
+# DeepSpeed 0.19.8's widths: qwZ gathers int8 weights; qgZ's all-to-all reduction
+# (runtime/comm/coalesced_collectives.py, all_to_all_quant_reduce) sends int4 gradients.
+DEEPSPEED_WEIGHT_BITS, DEEPSPEED_GRADIENT_BITS = 8, 4
 
 
 def comm_quantization_of(zero: ZeroConfig) -> CommQuantization | None:
-    """The ZeRO++ keys as ``ShardedModule``'s ``comm_quantization`` (None: all off)."""
+    """The ZeRO++ keys as ``ShardedModule``'s ``comm_quantization`` (None: all off).
+
+    Bit widths as DeepSpeed's: int8 weights, int4 gradients (a width is set only for a
+    switch that is on, so a prewrapped model compares equal to what it asked for).
+    """
+    defaults = CommQuantization()
+    gradients, weights = zero.zero_quantized_gradients, zero.zero_quantized_weights
     config = CommQuantization(
-        weights=zero.zero_quantized_weights,
-        gradients=zero.zero_quantized_gradients,
+        weights=weights,
+        weight_bits=DEEPSPEED_WEIGHT_BITS if weights else defaults.weight_bits,
+        gradients=gradients,
+        gradient_bits=DEEPSPEED_GRADIENT_BITS if gradients else defaults.gradient_bits,
         hpz_partition_size=zero.zero_hpz_partition_size,
     )
     return config if config.enabled else None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..base.warn_once import warn_once
+from ..comm import collectives
 from .summon import summon_full_params
 
 # torch.distributed.algorithms._comm_hooks.default_hooks: what shardwrap already does.
@@ -25,7 +29,13 @@ def apply(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
 def register_comm_hook(self: nn.Module, state: object, hook: Callable[..., Any]) -> None:
     """Accept torch's default FSDP hooks (shardwrap's own reduction); refuse the others.
 
-    ``allreduce_hook``/``reduce_scatter_hook`` are what every unit already does. Gradient
+    ``allreduce_hook``/``reduce_scatter_hook`` are what every unit already does: sum over
+    the data-parallel ranks, then divide by their number. Their ``state`` (``None``, or
+    torch's ``DefaultState``) must ask for that: a process group of the model's
+    data-parallel size holding this rank, and division factors whose product is that size
+    (anything else is refused, since it would change the gradients). The split between
+    pre- and post-division only guards float16's range: shardwrap divides after the sum,
+    and warns once where it reduces in float16 and the state asks to divide before. Gradient
     compression hooks are refused with their counterpart, ``MixedPrecision(reduce_dtype=...)``;
     custom hooks are refused: gradients are reduced by shardwrap's runtime (bucketed,
     padded, over the unit's groups), which no FSDP hook signature describes.
@@ -33,6 +43,7 @@ def register_comm_hook(self: nn.Module, state: object, hook: Callable[..., Any])
     module = getattr(hook, "__module__", "")
     name = getattr(hook, "__name__", repr(hook))
     if module == _HOOK_MODULE and name in _DEFAULT_HOOKS:
+        _check_default_state(self, name, state)
         return
     if module == _HOOK_MODULE and name in _COMPRESS_HOOKS:
         dtype = _COMPRESS_HOOKS[name]
@@ -45,3 +56,42 @@ def register_comm_hook(self: nn.Module, state: object, hook: Callable[..., Any])
         "reduces gradients itself (set_reduce_bucket_size tunes bucketing, "
         "MixedPrecision(reduce_dtype=...) the reduction dtype)"
     )
+
+
+def _check_default_state(root: nn.Module, name: str, state: object) -> None:
+    """``state`` asks for the average over the model's data-parallel ranks (or is None)."""
+    if state is None:
+        return
+    pre = getattr(state, "gradient_predivide_factor", None)
+    post = getattr(state, "gradient_postdivide_factor", None)
+    group = getattr(state, "process_group", None)
+    if pre is None or post is None or group is None:
+        raise TypeError(
+            f"register_comm_hook({name}): state: expected None or torch's DefaultState, "
+            f"got {type(state).__name__}"
+        )
+    handles = [u.handle for u in root._units if u.handle is not None]  # type: ignore[attr-defined]
+    if not handles:
+        return
+    size = handles[0].grads.data_parallel_size
+    ranks = collectives.group_ranks(group)
+    if len(ranks) != size or collectives.world_rank() not in ranks:
+        raise ValueError(
+            f"register_comm_hook({name}): state.process_group has ranks {ranks}, but this "
+            f"model averages gradients over its {size} data-parallel ranks (this rank is "
+            f"{collectives.world_rank()}); give DefaultState that group, or wrap with the "
+            "group you want"
+        )
+    if not math.isclose(pre * post, size):
+        raise ValueError(
+            f"register_comm_hook({name}): state's gradient_predivide_factor x "
+            f"gradient_postdivide_factor = {pre} x {post} = {pre * post}; shardwrap averages "
+            f"gradients over the {size} data-parallel ranks (a product of {size}) and does "
+            "not scale them otherwise: scale the loss instead"
+        )
+    if pre > 1 and any(h.reduce_dtype is torch.float16 for h in handles):
+        warn_once(
+            f"register_comm_hook({name}, state.gradient_predivide_factor={pre})",
+            "not acted on: shardwrap sums the float16 gradients and divides by "
+            f"{size} afterwards (in the master dtype); it does not divide before the sum",
+        )

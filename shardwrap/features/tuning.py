@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..base.validate import check_bool
+from ..base.warn_once import warn_once
 from ..build.setup import check_bucket_bytes
 
 if TYPE_CHECKING:
@@ -52,5 +53,13 @@ class ScheduleTuning:
         A unit that must be gathered takes the units that come next along, so fewer,
         larger collectives move the same bytes, at the cost of holding up to
         ``num_bytes`` of gathered parameters ahead of use. See [Note: all-gather buckets].
+        Units whose gathers ZeRO++ changes (qwZ, hpZ) gather alone: a warning says so.
         """
         self._runtime.schedule.all_gather_bucket_bytes = check_bucket_bytes(num_bytes)
+        alone = [u for u in self._units if u.handle is not None and u.handle.comm_quant]
+        if num_bytes and any(u.handle.comm_quant.changes_gathers for u in alone):
+            warn_once(
+                "set_all_gather_bucket_size",
+                "units with quantized weights (qwZ) or hpZ secondary shards gather alone; "
+                "the budget applies to the other units",
+            )

@@ -558,6 +558,10 @@ class _Task:
             for value in list(vars(mod).values()):
                 if isinstance(value, _WEAK_REGISTRIES):
                     value.clear()
+        # A new process has warned about nothing yet ([Note: accepted but not acted on]).
+        from shardwrap.base.warn_once import forget_warned
+
+        forget_warned()
 
     def _check_registries(self) -> list[str]:
         unclean = []

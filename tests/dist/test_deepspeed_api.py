@@ -29,7 +29,7 @@ class Net(torch.nn.Module):
 def _worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     with deepspeed.zero.Init(remote_device="cpu", config_dict_or_path=CONFIG):
-        model = Net()  # built as usual: Init is a documented no-op
+        model = Net()  # built as usual (Init warns so: tests/unit/test_zero_init_args.py)
     full = model.fc1.weight.detach().clone()
     engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
     out: dict = {"sharded_numel": model.fc1.weight.numel()}

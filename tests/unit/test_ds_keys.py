@@ -76,7 +76,7 @@ def test_valid_deepspeed_keys_at_their_defaults_are_accepted():
         compile={},
         torch_autocast={"enabled": False},
     )
-    assert config.zero_optimization.stage3_prefetch_bucket_size == 1000
+    assert config.zero_optimization.all_gather_bucket_size == 1000  # the stage-3 key's budget
     adam = load(optimizer={"type": "AdamW", "params": {"foreach": False}}).optimizer
     assert adam.kwargs["foreach"] is False  # passed to torch's AdamW, as DeepSpeed does
 

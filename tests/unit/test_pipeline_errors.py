@@ -131,3 +131,17 @@ def test_initialize_pipeline_errors(one_rank):
         engine(torch.ones(1, 2))
     loss = engine.train_batch(iter([(torch.ones(1, 2), torch.zeros(1, 2))]))
     assert loss.dim() == 0 and engine.global_steps == 1
+
+
+def test_initialize_pipeline_acts_on_or_refuses_the_zero_keys(one_rank):
+    # the pipeline door builds its own ShardedModule: the keys must not be lost on the way
+    model = shardwrap.pipe.PipelineModule(
+        layers=[nn.Linear(2, 2)], num_stages=1, loss_fn=F.mse_loss
+    )
+    quantized = {"stage": 3, "zero_quantized_gradients": True}
+    with pytest.raises(ValueError, match="ZeRO\\+\\+ .* not supported with a PipelineModule"):
+        shardwrap.initialize(model=model, config=_config(zero_optimization=quantized))
+    buckets = {"stage": 3, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 10}
+    engine, *_ = shardwrap.initialize(model=model, config=_config(zero_optimization=buckets))
+    schedule = engine.module._runtime.schedule
+    assert (schedule.reduce_bucket_bytes, schedule.all_gather_bucket_bytes) == (4000, 40)
