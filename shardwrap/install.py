@@ -10,8 +10,9 @@ framework code runs; a module that bound torch's class at its own import, before
 ``install()``, keeps it.
 
 ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict``, ``set_state_dict``,
-``get_model_state_dict`` and ``get_optimizer_state_dict`` are rebound too, to functions
-that hand a shardwrap model to :mod:`shardwrap.ckpt.dcp` and anything else to torch's:
+``get_model_state_dict``, ``get_optimizer_state_dict``, ``set_model_state_dict`` and
+``set_optimizer_state_dict`` are rebound too, to functions that hand a shardwrap model to
+:mod:`shardwrap.ckpt.dcp` and anything else to torch's:
 torch's own would key the optimizer state of a shardwrap model by this rank's pieces, and
 DCP would then keep one rank's piece per key.
 
@@ -62,11 +63,17 @@ def _dispatch(name: str, ours: Any) -> Any:
     return call
 
 
-for _name in ("get_state_dict", "set_state_dict", "get_model_state_dict"):
-    _REBOUND[(_DSD, _name)] = _dispatch(_name, getattr(dcp, _name))
-_REBOUND[(_DSD, "get_optimizer_state_dict")] = _dispatch(
-    "get_optimizer_state_dict", dcp.get_optimizer_state_dict
+# Every public function of torch's module that takes a model and its optimizers.
+DSD_FUNCTIONS = (
+    "get_state_dict",
+    "set_state_dict",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
 )
+for _name in DSD_FUNCTIONS:
+    _REBOUND[(_DSD, _name)] = _dispatch(_name, getattr(dcp, _name))
 
 
 def install() -> None:

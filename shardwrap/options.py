@@ -248,10 +248,10 @@ class DiskOffload:
 class CommQuantization:
     """ZeRO++'s three ways to move fewer bytes, each off unless asked for (``docs/zeropp.md``).
 
-    * ``weights`` (qwZ): the forward all-gather of a sharded unit sends its shard
-      block-quantized to ``weight_bits``; every rank dequantizes into the compute dtype.
-      The shard (master weights) and the optimizer never see quantized values; the
-      backward all-gather moves full compute precision (or comes from the hpZ partition).
+    * ``weights`` (qwZ): every parameter all-gather of a sharded unit (forward, backward,
+      a checkpoint's recompute) sends its shard block-quantized to ``weight_bits``; every
+      rank dequantizes into the compute dtype, so all of them compute with the same
+      weights. The shard (master weights) and the optimizer never see quantized values.
     * ``gradients`` (qgZ): the reduce-scatter of a sharded unit's gradients becomes an
       all-to-all of block-quantized slices (``gradient_bits``, 8 or 4), dequantized and
       summed in fp32.

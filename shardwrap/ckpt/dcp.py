@@ -126,16 +126,38 @@ def set_state_dict(
     """Load what :func:`get_state_dict` (or DCP into its result) produced; values may be
     ``DTensor``s of any layout or whole tensors. Returns the model's missing/unexpected keys.
     """
+    result = set_model_state_dict(model, model_state_dict, options=options)
+    set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+    return result
+
+
+def set_model_state_dict(
+    model: nn.Module, model_state_dict: dict[str, Any], *, options: StateDictOptions | None = None
+):
+    """Load a model state dict (``DTensor``s of any layout or whole tensors) into a
+    ``ShardedModule``; its missing/unexpected keys, as torch's function returns them."""
     options = _check_options(options)
-    optims = _optims(optimizers)
     strict = options.strict and not options.ignore_frozen_params
     # The sharded path takes both DTensors and whole tensors.
     with sd.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        result = sd.load_module_state_dict(model, model_state_dict, strict=strict)
+        return sd.load_module_state_dict(model, model_state_dict, strict=strict)
+
+
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizers: Any,
+    optim_state_dict: dict[str, Any],
+    *,
+    options: StateDictOptions | None = None,
+) -> None:
+    """Load an optimizer state dict keyed by the unwrapped model's names (what
+    :func:`get_optimizer_state_dict` gives) into the optimizers of a ``ShardedModule``."""
+    _check_options(options)
+    optims = _optims(optimizers)
+    with sd.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         for optim in optims:
             mine = _split(model, optim, optim_state_dict) if len(optims) > 1 else optim_state_dict
             optim.load_state_dict(sd.optim_state_dict_to_load(model, optim, mine))
-    return result
 
 
 def _split(model: nn.Module, optim: torch.optim.Optimizer, merged: dict[str, Any]) -> dict:
@@ -154,5 +176,7 @@ __all__ = [
     "get_optimizer_state_dict",
     "get_state_dict",
     "init_optim_state",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
     "set_state_dict",
 ]

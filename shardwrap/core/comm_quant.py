@@ -9,13 +9,25 @@ the unit tells it at every transition (:meth:`note_phase`):
 * ``FORWARD`` (the unit is idle: its next gather, or a prefetch of it, is for forward):
   with ``weights`` (qwZ) the all-gather moves block-quantized rows and every rank
   dequantizes them into the compute dtype ([Note: quantized collectives] in
-  comm/quantized.py). The shard itself is never touched, and quantization is
-  deterministic, so a re-gather (activation checkpointing's recompute) gets the same
-  values again.
-* ``BACKWARD`` (it ran forward; its next gather is for its backward): the gather moves
-  full compute precision over the shard group, unless hpZ kept a secondary shard
-  (below), in which case it all-gathers that over the (smaller) hpZ group.
-* ``AFTER`` (in or after its backward): full precision.
+  comm/quantized.py). The shard itself is never touched.
+* ``BACKWARD`` (it ran forward; its next gather is for its backward): if hpZ kept a
+  secondary shard (below), the gather all-gathers that over the (smaller) hpZ group;
+  otherwise it is a shard-group gather as in ``FORWARD``.
+* ``AFTER`` (in or after its backward): a shard-group gather as in ``FORWARD``.
+
+[Note: every gather under qwZ is quantized]
+With qwZ every shard-group gather of the parameters is quantized, whatever it is for
+(forward, backward, activation checkpointing's recompute), as in DeepSpeed (its
+parameter fetches pass ``quantize=zero_quantized_weights`` in forward and backward).
+Quantization is deterministic, so every gather of one shard version gives the same
+values, and an hpZ secondary shard is a slice of them: forward, backward and a recompute
+all compute with the same (dequantized) weights, and the gradients are those of the
+model with those weights. A recompute cannot be told apart by phase alone: torch's
+non-reentrant checkpoint recomputes after the unit's pre-backward gather and stops as
+soon as it has the tensors it needs, before the post-forward hook, so no hook could put
+other values back between the recompute and backward's ops. Gathering forward-only
+quantized (full precision for backward) made a checkpointed model recompute on full
+precision weights forward never saw (``tests/dist/test_zeropp_recompute.py``).
 
 hpZ: when a unit in ``BACKWARD`` phase releases its gathered parameters with grad
 enabled (the reshard after forward), it first copies its slice of them for its
@@ -98,10 +110,14 @@ class UnitCommQuant:
             self._secondary = None
             if self._secondary_version == version:
                 return self.hpz_comm.all_gather(flat_full, secondary, purpose="params", unit=unit)
-        codec = self.weight_codec if self.phase is GatherPhase.FORWARD else None
         return quantized.all_gather(
-            shard_comm, flat_full, shard, purpose="params", unit=unit, codec=codec
+            shard_comm, flat_full, shard, purpose="params", unit=unit, codec=self.gather_codec()
         )
+
+    def gather_codec(self) -> BlockCodec | None:
+        """The codec of a shard-group gather: qwZ's, whatever the phase ([Note: every
+        gather under qwZ is quantized])."""
+        return self.weight_codec
 
     def keep_secondary(self, flat_full: torch.Tensor, version: Any) -> None:
         """Before ``flat_full`` (gathered from shard ``version``; None: not current) is

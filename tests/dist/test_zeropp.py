@@ -143,6 +143,7 @@ def _traffic_worker(rank: int, world_size: int, quant: dict | None, strategy: st
     out["saved"] = measured.saved_bytes()
     out["forward_gather"] = sum(r.num_bytes for r in forward if r.purpose == "params")
     out["forward_sent"] = sent_forward
+    out["backward_gather"] = sum(r.num_bytes for r in backward if r.purpose == "params")
     out["grads"] = sum(r.num_bytes for r in backward if r.purpose == "grads")
     out["backward_sent"] = sent_backward
     out["unquantized"] = sum(r.unquantized_bytes for r in forward + backward)
@@ -157,11 +158,15 @@ def test_qwz_forward_gather_moves_a_quarter_of_fp32(world_size: int) -> None:
     for p, q in zip(plain, quant, strict=True):
         assert 0 < q["forward_gather"] <= QWZ_MAX_RATIO * p["forward_gather"]
         assert 0 < q["forward_sent"] <= QWZ_MAX_RATIO * p["forward_sent"]
+        # backward's gathers are quantized too ([Note: every gather under qwZ is quantized]
+        # in core/comm_quant.py); its reduce-scatters are untouched
+        assert 0 < q["backward_gather"] <= QWZ_MAX_RATIO * p["backward_gather"]
+        assert q["backward_sent"] < p["backward_sent"] and q["grads"] == p["grads"]
         # the ledger says what the plain gathers would have moved, the profile what was saved
-        assert q["unquantized"] == p["forward_gather"]
-        assert q["saved"] == p["forward_gather"] - q["forward_gather"] and p["saved"] == 0
-        # backward is untouched: full-precision gathers, plain reduce-scatters
-        assert q["backward_sent"] == p["backward_sent"] and q["grads"] == p["grads"]
+        plain_gathers = p["forward_gather"] + p["backward_gather"]
+        assert q["unquantized"] == plain_gathers
+        quantized_gathers = q["forward_gather"] + q["backward_gather"]
+        assert q["saved"] == plain_gathers - quantized_gathers and p["saved"] == 0
 
 
 @pytest.mark.parametrize(
