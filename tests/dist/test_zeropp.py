@@ -11,6 +11,7 @@ must fail it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -220,6 +221,8 @@ EXACT_CASES = {
         (Fault.ZERO_GRADS,),
         {"cpu_offload": shardwrap.CPUOffload(offload_params=True)},
     ),
+    # one micro-batch under no_sync, then one that reduces both
+    "no_sync": (QGZ8, "FULL_SHARD", 2, (Fault.NO_MEAN,), {"num_micro": 2}),
 }
 EXACT_STEPS = 3
 CONTROL_STEPS = 1  # a fault shows in the first step's gradients
@@ -228,7 +231,11 @@ CONTROL_STEPS = 1  # a fault shows in the first step's gradients
 def _against_reference(
     rank: int, world_size: int, quant: dict, strategy: str, num_steps: int, kwargs: dict
 ) -> list[str]:
-    """SGD steps of the sharded model and of [Note: the ZeRO++ reference]; what differs."""
+    """SGD steps of the sharded model and of [Note: the ZeRO++ reference]; what differs.
+
+    ``kwargs["num_micro"]``: micro-batches per step, all but the last under ``no_sync``."""
+    kwargs = dict(kwargs)
+    num_micro = kwargs.pop("num_micro", 1)
     sharded = _wrap(quant, strategy, **kwargs)
     config = CommQuantization(**quant)
     reference = Reference(
@@ -240,8 +247,13 @@ def _against_reference(
     optim = torch.optim.SGD(sharded.parameters(), lr=SGD_LR)
     found = []
     for step in range(num_steps):
-        grads = reference.step(lambda model, r, s=step: _loss(model, s, r), world_size)
-        _loss(sharded, step, rank).backward()
+        grads = reference.step(
+            lambda model, r, m, s=step: _loss(model, num_micro * s + m, r), world_size, num_micro
+        )
+        for micro in range(num_micro):
+            last = micro == num_micro - 1
+            with contextlib.nullcontext() if last else sharded.no_sync():
+                _loss(sharded, num_micro * step + micro, rank).backward()
         found += [f"step {step}: {m}" for m in mismatches(sharded, grads, grads=True)]
         optim.step()
         optim.zero_grad()

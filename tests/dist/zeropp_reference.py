@@ -99,11 +99,12 @@ class Reference:
     def params(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
-    def step(self, loss_of, world_size: int) -> dict[str, torch.Tensor]:
-        """One step on every rank's micro-batch (``loss_of(model, rank)``): the averaged
-        gradients, after SGD has applied them."""
+    def step(self, loss_of, world_size: int, num_micro: int = 1) -> dict[str, torch.Tensor]:
+        """One step on every rank's micro-batches (``loss_of(model, rank, micro)``, their
+        gradients accumulated, as under ``no_sync``): the averaged gradients, after SGD
+        has applied them."""
         self._load_compute_weights()
-        local = [self._local_grads(loss_of, rank) for rank in range(world_size)]
+        local = [self._local_grads(loss_of, rank, num_micro) for rank in range(world_size)]
         grads = {}
         for unit in self.units:
             grads.update(self._reduced(unit, [_flatten(g, unit) for g in local]))
@@ -125,9 +126,10 @@ class Reference:
             for name, param in self.compute.named_parameters():
                 param.copy_(values[name])
 
-    def _local_grads(self, loss_of, rank: int) -> dict[str, torch.Tensor]:
+    def _local_grads(self, loss_of, rank: int, num_micro: int) -> dict[str, torch.Tensor]:
         self.compute.zero_grad(set_to_none=True)
-        loss_of(self.compute, rank).backward()
+        for micro in range(num_micro):  # accumulated in .grad, as autograd does
+            loss_of(self.compute, rank, micro).backward()
         return {name: p.grad.detach().clone() for name, p in self.compute.named_parameters()}
 
     def _reduced(self, unit: UnitGeometry, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
