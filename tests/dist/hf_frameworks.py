@@ -17,6 +17,7 @@ import shardwrap
 
 STEPS = 3  # per phase: train, save, resume in fresh processes, train again
 VOCAB, SEQ = 96, 16
+SGD_LR = 0.1  # the parameter comparisons' optimizer
 
 
 def set_launcher_env(rank: int, world_size: int) -> None:
@@ -98,11 +99,21 @@ def train(
     num_steps: int,
     load_from: str | None = None,
     save_to: str | None = None,
+    sgd: bool = False,
+    grad_factor: float = 1.0,
 ) -> dict:
-    """Train ``num_steps`` steps from ``first_step`` (after ``load_state`` if given)."""
+    """Train ``num_steps`` steps from ``first_step`` (after ``load_state`` if given).
+
+    ``sgd``: plain SGD (``SGD_LR``) instead of AdamW, whose step hides a gradient's scale;
+    ``grad_factor``: scale the gradients before each step (a negative control's bug).
+    """
     accelerator = make_accelerator(kind, fsdp=fsdp, mixed_precision=mixed_precision)
     model = accelerator.prepare(build_model(kind))
-    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if sgd:
+        optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = accelerator.prepare(optimizer)
     if load_from is not None:
         accelerator.load_state(load_from)
     losses = []
@@ -110,13 +121,27 @@ def train(
         ids = batch(step, rank)
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
+        if grad_factor != 1.0:
+            for param in model.parameters():
+                param.grad.mul_(grad_factor)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
     if save_to is not None:
         accelerator.save_state(save_to)
     units = shardwrap.FullyShardedDataParallel.fsdp_modules(model) if fsdp else []
-    return {"losses": losses, "wrapper": type(model).__name__, "num_fsdp": len(units)}
+    out = {"losses": losses, "wrapper": type(model).__name__, "num_fsdp": len(units)}
+    if sgd:
+        out["params"] = full_params(model, fsdp=fsdp)
+    return out
+
+
+def full_params(model: torch.nn.Module, *, fsdp: bool) -> dict[str, torch.Tensor]:
+    """The model's full fp32 parameters on this rank, by the Hugging Face model's names."""
+    if not fsdp:  # accelerate's DDP wrapper
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    with shardwrap.FullyShardedDataParallel.summon_full_params(model, writeback=False):
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
 class _TokenData(torch.utils.data.Dataset):

@@ -9,7 +9,9 @@ A tiny GPT-2 and Llama are prepared by ``Accelerator`` with a
   (at 2 ranks our FULL_SHARD sums gradients as DDP does). Torch's own FSDP1 does not run
   on this path on CPU (it refuses accelerate's ``device_id=cpu``), so DDP is the reference;
 * bf16 (mixed precision through the plugin): the resumed run equals the uninterrupted one
-  bit for bit, and training makes progress.
+  bit for bit, and training makes progress; with SGD, every rank's full parameters follow
+  accelerate's own bf16 DDP run within a bound from bf16's precision, and zeroed
+  gradients (the negative control) do not.
 
 ``transformers.Trainer`` with ``fsdp="full_shard auto_wrap"`` (FSDP1) trains a GPT-2,
 writes its checkpoints and resumes from one in fresh processes: the resumed losses equal
@@ -20,13 +22,13 @@ summed over shards, in another order than over whole gradients).
 
 from __future__ import annotations
 
+import accelerate  # noqa: F401 (a declared test dependency: a broken install fails, never skips)
 import pytest
 import torch
 
 from tests.dist import hf_frameworks as hf
 from tests.dist.harness import run_ranks
 
-pytest.importorskip("accelerate")
 KINDS = ("gpt2", "llama")
 
 
@@ -79,8 +81,12 @@ def _resumed_processes(rank: int, world_size: int, folder: str) -> dict:
 
 
 def test_accelerate_fsdp_trains_saves_and_resumes(tmp_path) -> None:
-    first = run_ranks(_first_processes, 2, str(tmp_path))[0]
-    resumed = run_ranks(_resumed_processes, 2, str(tmp_path))[0]
+    firsts = run_ranks(_first_processes, 2, str(tmp_path))
+    for first, resumed in zip(firsts, run_ranks(_resumed_processes, 2, str(tmp_path))):
+        _check_saved_and_resumed(first, resumed)
+
+
+def _check_saved_and_resumed(first: dict, resumed: dict) -> None:
     for kind in KINDS:
         assert first[kind, "no"]["wrapper"] == "ShardedModule"
         assert first[kind, "no"]["num_fsdp"] == 3  # the root and two layers
@@ -89,6 +95,57 @@ def test_accelerate_fsdp_trains_saves_and_resumes(tmp_path) -> None:
         bf16 = first[kind, "bf16"]["losses"] + resumed[kind, "bf16"]["losses"]
         assert bf16 == first[kind, "bf16-straight"]["losses"], kind
         assert bf16[-1] < bf16[0]
+
+
+def _bf16_processes(rank: int, world_size: int) -> dict:
+    """bf16 SGD: accelerate's DDP (autocast) and its FSDP1 path on shardwrap, and the
+    latter with zeroed gradients (the negative control): full parameters on this rank."""
+    import shardwrap
+
+    hf.set_launcher_env(rank, world_size)
+    common = {"mixed_precision": "bf16", "first_step": 0, "num_steps": hf.STEPS, "sgd": True}
+    out = {}
+    for kind in KINDS:
+        out[kind, "ddp"] = hf.train(rank, kind, fsdp=False, **common)["params"]
+        shardwrap.install()
+        try:
+            out[kind, "fsdp"] = hf.train(rank, kind, fsdp=True, **common)["params"]
+            if kind == KINDS[0]:
+                zeroed = hf.train(rank, kind, fsdp=True, grad_factor=0.0, **common)
+                out[kind, "zero_grads"] = zeroed["params"]
+        finally:
+            shardwrap.uninstall()
+    return out
+
+
+# bf16 through accelerate's FSDP1 path (bf16 parameters, reductions and buffers, under
+# autocast) against its DDP path (fp32 parameters under autocast): each computes with
+# 8-bit mantissas, a rounding moving a value by at most BF16_EPS / 2 of itself. Between
+# the loss and a weight's gradient a 2-layer model rounds at most 32 times on either
+# path, so to first order an SGD update stays within 32 * BF16_EPS / 2 of the other's,
+# relative, as a 2-norm per parameter; zeroed gradients are off by 1.0.
+BF16_EPS = 2.0**-8
+BF16_UPDATE_RTOL = 16 * BF16_EPS
+
+
+def _update_error(initial: torch.Tensor, want: torch.Tensor, got: torch.Tensor) -> float:
+    return float((got - want).norm() / (want - initial).norm())
+
+
+def test_accelerate_bf16_fsdp_follows_its_ddp_on_every_rank() -> None:
+    initial = {k: {n: p.detach() for n, p in hf.build_model(k).named_parameters()} for k in KINDS}
+    for rank, out in enumerate(run_ranks(_bf16_processes, 2)):
+        for (kind, run), params in out.items():
+            if run == "ddp":
+                continue
+            ddp = out[kind, "ddp"]
+            assert set(params) == set(ddp), (rank, kind, run)
+            errors = {n: _update_error(initial[kind][n], ddp[n], p) for n, p in params.items()}
+            worst = max(errors, key=errors.get)
+            if run == "fsdp":
+                assert errors[worst] <= BF16_UPDATE_RTOL, (rank, kind, worst, errors[worst])
+            else:  # the negative control must fail the same check
+                assert errors[worst] > BF16_UPDATE_RTOL, (rank, kind, run, "went unnoticed")
 
 
 def _trainer_first(rank: int, world_size: int, folder: str) -> dict:

@@ -11,12 +11,10 @@ trivial subclass, as the accelerate tests pick the FSDP path by hand.
 
 from __future__ import annotations
 
-import pytest
+import lightning  # noqa: F401 (a declared test dependency: a broken install fails, never skips)
 
 from tests.dist import lightning_worker as worker
 from tests.dist.harness import run_ranks
-
-pytest.importorskip("lightning")
 
 
 def test_lightning_fsdp_trains_saves_and_resumes(tmp_path) -> None:

@@ -2,12 +2,16 @@
 
 Bytes are checked twice: on the ledger (what shardwrap recorded) and on the wire (what
 this rank handed to ``ProcessGroup.send``, counted by the benchmark's CollectiveCounter;
-gloo's CPU all-gathers, reduce-scatters and all-to-alls run as pairwise sends). Accuracy
-is checked against the same model trained in full precision.
+gloo's CPU all-gathers, reduce-scatters and all-to-alls run as pairwise sends). Training
+is checked bit for bit against a one-process reference that applies the same quantize ->
+dequantize -> sum ([Note: the ZeRO++ reference] in zeropp_reference.py), with negative
+controls (a qgZ that double-counts, forgets the 1/N, zeroes, or skips quantizing) that
+must fail it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -24,6 +28,7 @@ from shardwrap.comm.collectives import CommLedger, Communicator
 from shardwrap.policies import ModuleWrapPolicy
 from tests.dist.harness import run_ranks
 from tests.dist.parity import check_shards
+from tests.dist.zeropp_reference import SGD_LR, Fault, Reference, faulty, geometry, mismatches
 
 CONFIG = gpt.GPTConfig(vocab=128, dim=64, depth=2, num_heads=4, seq=32)
 BATCH = 4
@@ -31,7 +36,8 @@ QWZ = {"weights": True}
 QGZ8 = {"gradients": True}
 QGZ4 = {"gradients": True, "gradient_bits": 4}
 ALL_THREE = {"weights": True, "gradients": True, "hpz_partition_size": 2}
-# The issue's bars: bytes against fp32, and the loss within 1% of full precision.
+# The issue's bars: bytes against fp32; the loss within 1% of full precision (no_sync,
+# hybrid), where no bit-exact reference is used.
 QWZ_MAX_RATIO = 0.27
 QGZ8_MAX_RATIO = 0.27
 QGZ4_MAX_RATIO = 0.15
@@ -117,6 +123,14 @@ def _train(
     return losses
 
 
+def _check_close(runs: list[list[float]]) -> None:
+    plain, *others = runs
+    for losses in others:
+        for got, want in zip(losses, plain, strict=True):
+            assert abs(got - want) <= ACCURACY_RTOL * want, (losses, plain)
+        assert losses != plain  # quantization did happen
+
+
 # -------------------------------------------------------------------- bytes
 def _traffic_worker(rank: int, world_size: int, quant: dict | None, strategy: str) -> dict:
     """Second step's forward and backward: ledger bytes by kind, and bytes sent."""
@@ -187,34 +201,125 @@ def test_qgz_reduction_moves_a_fraction_of_fp32(quant: dict, ratio: float, world
 
 
 # ----------------------------------------------------------------- accuracy
-def _accuracy_worker(rank: int, world_size: int, quants: list[dict], num_steps: int, kwargs: dict):
-    return [_train(rank, quant, num_steps, **kwargs) for quant in [None, *quants]]
+# Each case: the options, the strategy, the world size, and the faults its check must
+# catch. qwZ alone runs under SHARD_GRAD_OP, where backward keeps forward's weights (under
+# FULL_SHARD it re-gathers full precision: [Note: the ZeRO++ reference]); three ranks put
+# a rank's own unquantized part first, in the middle and last, and force padding.
+QGZ_FAULTS = (Fault.DOUBLE_COUNT, Fault.NO_MEAN, Fault.ZERO_GRADS, Fault.QGZ_UNQUANTIZED)
+EXACT_CASES = {
+    "qwz": (QWZ, "SHARD_GRAD_OP", 2, (Fault.QWZ_UNQUANTIZED,), {}),
+    "qgz_int8": (QGZ8, "FULL_SHARD", 3, QGZ_FAULTS, {}),
+    "qgz_int4": (QGZ4, "FULL_SHARD", 2, (Fault.NO_MEAN, Fault.QGZ_UNQUANTIZED), {}),
+    "qwz_qgz": ({"weights": True, "gradients": True}, "SHARD_GRAD_OP", 2, (), {}),
+    "all_three": (ALL_THREE, "FULL_SHARD", 4, (Fault.HPZ_NO_SECONDARY,), {}),
+    "cpu_offload": (
+        {"weights": True, "gradients": True},
+        "SHARD_GRAD_OP",
+        2,
+        (Fault.ZERO_GRADS,),
+        {"cpu_offload": shardwrap.CPUOffload(offload_params=True)},
+    ),
+    # one micro-batch under no_sync, then one that reduces both
+    "no_sync": (QGZ8, "FULL_SHARD", 2, (Fault.NO_MEAN,), {"num_micro": 2}),
+}
+EXACT_STEPS = 3
+CONTROL_STEPS = 1  # a fault shows in the first step's gradients
 
 
-def _check_close(runs: list[list[float]]) -> None:
-    plain, *others = runs
-    for losses in others:
-        for got, want in zip(losses, plain, strict=True):
-            assert abs(got - want) <= ACCURACY_RTOL * want, (losses, plain)
-        assert losses != plain  # quantization did happen
+def _against_reference(
+    rank: int, world_size: int, quant: dict, strategy: str, num_steps: int, kwargs: dict
+) -> list[str]:
+    """SGD steps of the sharded model and of [Note: the ZeRO++ reference]; what differs.
+
+    ``kwargs["num_micro"]``: micro-batches per step, all but the last under ``no_sync``."""
+    kwargs = dict(kwargs)
+    num_micro = kwargs.pop("num_micro", 1)
+    sharded = _wrap(quant, strategy, **kwargs)
+    config = CommQuantization(**quant)
+    reference = Reference(
+        gpt.build(CONFIG),
+        geometry(sharded),
+        weight_codec=config.weight_codec,
+        grad_codec=config.gradient_codec,
+    )
+    optim = torch.optim.SGD(sharded.parameters(), lr=SGD_LR)
+    found = []
+    for step in range(num_steps):
+        grads = reference.step(
+            lambda model, r, m, s=step: _loss(model, num_micro * s + m, r), world_size, num_micro
+        )
+        for micro in range(num_micro):
+            last = micro == num_micro - 1
+            with contextlib.nullcontext() if last else sharded.no_sync():
+                _loss(sharded, num_micro * step + micro, rank).backward()
+        found += [f"step {step}: {m}" for m in mismatches(sharded, grads, grads=True)]
+        optim.step()
+        optim.zero_grad()
+        found += [f"step {step}: {m}" for m in mismatches(sharded, reference.params(), grads=False)]
+    return found
 
 
-def test_each_technique_trains_within_one_percent() -> None:
-    quants = [QWZ, QGZ8, QGZ4, {"weights": True, "gradients": True}]
-    for runs in run_ranks(_accuracy_worker, 2, quants, 6, {}):
-        _check_close(runs)
+def _exact_worker(rank: int, world_size: int, case: str) -> dict[str, list[str]]:
+    """The case as it is, then with each of its faults put in: the mismatches of each."""
+    quant, strategy, _, faults, kwargs = EXACT_CASES[case]
+    runs = {}
+    for fault in (None, *faults):
+        steps = EXACT_STEPS if fault is None else CONTROL_STEPS
+        with faulty(fault):
+            found = _against_reference(rank, world_size, quant, strategy, steps, kwargs)
+        runs["as it is" if fault is None else fault.value] = found
+    return runs
 
 
-def test_mixed_precision_trains_within_one_percent() -> None:
+@pytest.mark.parametrize("case", list(EXACT_CASES))
+def test_training_matches_the_one_process_reference_bit_for_bit(case: str) -> None:
+    world_size, faults = EXACT_CASES[case][2], EXACT_CASES[case][3]
+    for rank, runs in enumerate(run_ranks(_exact_worker, world_size, case)):
+        assert runs.pop("as it is") == [], f"rank {rank}"
+        # negative controls: with the bug put in, the same comparison fails on every rank
+        assert set(runs) == {f.value for f in faults}
+        for fault, found in runs.items():
+            assert found, f"rank {rank}: {fault} went unnoticed"
+
+
+# Memorising one fixed batch, the loss must fall: a check that a quantized run trains at
+# all, in bf16 where the bit-exact reference does not reach. Full precision brings the
+# loss down by a few nats in LEARN_STEPS; gradients set to zero or scaled away leave it
+# flat. MIN_DROP_FRACTION splits the two: the quantization error of a value is at most
+# half a step of its block's scale (1/254 of the block's largest value for int8), far
+# below what separates training from not training.
+LEARN_STEPS = 8
+MIN_DROP_FRACTION = 0.5
+
+
+def _memorise(rank: int, quant: dict | None, kwargs: dict) -> float:
+    """The loss drop over LEARN_STEPS AdamW steps on one fixed batch (mean of the ranks)."""
+    model = _wrap(quant, **kwargs)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(LEARN_STEPS + 1):
+        loss = _loss(model, 0, rank)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(_mean(loss))
+    return losses[0] - losses[-1]
+
+
+def _learn_worker(rank: int, world_size: int, kwargs: dict) -> dict[str, float]:
+    both = {"weights": True, "gradients": True}
+    drops = {"plain": _memorise(rank, None, kwargs), "quantized": _memorise(rank, both, kwargs)}
+    with faulty(Fault.ZERO_GRADS):  # the negative control
+        drops["zero_grads"] = _memorise(rank, both, kwargs)
+    return drops
+
+
+def test_mixed_precision_quantized_run_memorises_a_batch() -> None:
     bf16 = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}
-    for runs in run_ranks(_accuracy_worker, 2, [{"weights": True, "gradients": True}], 4, bf16):
-        _check_close(runs)
-
-
-def test_cpu_offload_trains_within_one_percent() -> None:
-    offload = {"cpu_offload": shardwrap.CPUOffload(offload_params=True)}
-    for runs in run_ranks(_accuracy_worker, 2, [{"weights": True, "gradients": True}], 3, offload):
-        _check_close(runs)
+    for drops in run_ranks(_learn_worker, 2, bf16):
+        assert drops["plain"] > 1.0, drops  # the task is learnable
+        assert drops["quantized"] >= MIN_DROP_FRACTION * drops["plain"], drops
+        assert drops["zero_grads"] < MIN_DROP_FRACTION * drops["plain"], drops
 
 
 # ---------------------------------------------------------------------- hpZ
@@ -260,11 +365,6 @@ def test_hpz_backward_gathers_stay_inside_the_group() -> None:
         # half of the last unit, which stays gathered instead ([Note] in planner/secondary)
         last_half = result["expected_last"]
         assert planned == sum(result["secondary"]) + last_half, (planned, result)
-
-
-def test_all_three_train_within_one_percent_at_four_ranks() -> None:
-    for runs in run_ranks(_accuracy_worker, 4, [ALL_THREE], 4, {}):
-        _check_close(runs)
 
 
 def _bad_hpz_worker(rank: int, world_size: int) -> str:

@@ -406,18 +406,3 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
         messages["sharded_state_dict"] = str(exc)
     return messages
 
-
-def mixed_precision_losses(rank: int, world_size: int) -> list[float]:
-    mesh = make_mesh()
-    policy = shardwrap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = wrap(parallelized(build_reference(), mesh), mesh, mixed_precision=policy)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
-    dp_rank = mesh["dp"].get_local_rank()
-    losses = []
-    for step in range(3):
-        loss = loss_of(model, *local_rows(global_batch(step), dp_rank))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(float(_mean_over_dp(loss.detach().float(), mesh)))
-    return losses

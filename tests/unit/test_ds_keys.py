@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from deepspeed.runtime import config as deepspeed_config
 
 from shardwrap.deepspeed import keys as ds_keys
 from shardwrap.deepspeed.config import DeepSpeedConfig
@@ -100,7 +101,6 @@ def test_unknown_keys_still_error():
 
 def test_top_level_keys_match_installed_deepspeed():
     """The list is DeepSpeed's: every key its DeepSpeedConfig looks up (when installed)."""
-    config_module = pytest.importorskip("deepspeed.runtime.config")
     seen: set[str] = set()
 
     class Recording(dict):
@@ -116,5 +116,5 @@ def test_top_level_keys_match_installed_deepspeed():
             seen.add(key)
             return super().__getitem__(key)
 
-    config_module.DeepSpeedConfig(Recording({"train_batch_size": 2}))
+    deepspeed_config.DeepSpeedConfig(Recording({"train_batch_size": 2}))
     assert {k for k in seen if isinstance(k, str)} <= ds_keys.TOP_LEVEL_KEYS

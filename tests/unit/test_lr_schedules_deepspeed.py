@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deepspeed.runtime import lr_schedules as deepspeed_schedules
 
 from shardwrap.deepspeed import lr_schedules
-
-deepspeed_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
 
 STEPS = 30
 

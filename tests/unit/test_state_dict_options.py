@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed.fsdp as torch_fsdp
 
 from shardwrap import ShardedModule
 from shardwrap.options import FullStateDictConfig, ShardedStateDictConfig, StateDictType
@@ -14,8 +15,8 @@ from tests import models
 
 def test_state_dict_type_parses_names_and_rejects_others():
     assert StateDictType.parse("sharded_state_dict") is StateDictType.SHARDED_STATE_DICT
-    torch_type = pytest.importorskip("torch.distributed.fsdp").StateDictType
-    assert StateDictType.parse(torch_type.FULL_STATE_DICT) is StateDictType.FULL_STATE_DICT
+    full = torch_fsdp.StateDictType.FULL_STATE_DICT
+    assert StateDictType.parse(full) is StateDictType.FULL_STATE_DICT
     with pytest.raises(ValueError, match="state_dict_type: unsupported value 'LOCAL'"):
         StateDictType.parse("LOCAL")
 
@@ -36,9 +37,10 @@ def test_one_rank_state_dicts_equal_the_unwrapped_models(one_rank):
         ShardedModule.set_state_dict_type(
             sharded, StateDictType.FULL_STATE_DICT, ShardedStateDictConfig()
         )
-    fsdp = pytest.importorskip("torch.distributed.fsdp")
     with ShardedModule.state_dict_type(
-        sharded, fsdp.StateDictType.FULL_STATE_DICT, fsdp.FullStateDictConfig(rank0_only=True)
+        sharded,
+        torch_fsdp.StateDictType.FULL_STATE_DICT,
+        torch_fsdp.FullStateDictConfig(rank0_only=True),
     ):
         settings = ShardedModule.get_state_dict_type(sharded)
         assert settings.state_dict_config == FullStateDictConfig(rank0_only=True)

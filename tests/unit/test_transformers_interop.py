@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
+import transformers
 
 from shardwrap import ShardedModule
 from shardwrap.checkpoint import save_checkpoint
 from shardwrap.ckpt.consolidate import consolidate
 from shardwrap.ckpt.pretrained import load_pretrained
 from shardwrap.policies import ModuleWrapPolicy
-
-transformers = pytest.importorskip("transformers")
 
 
 def _tiny_gpt2():
