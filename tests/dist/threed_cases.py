@@ -29,6 +29,7 @@ from shardwrap.features.pipeline_stage import ShardedPipelineStage
 from shardwrap.policies import ModuleWrapPolicy
 from tests.dist.pipeline_cases import dp_mean_loss, run_schedule
 from tests.dist.tp_cases import model_state_bytes
+from tests.tolerances import REORDER_SAFE_ADAMW
 
 PP, DP, TP = 2, 2, 2
 DIM, HIDDEN, NUM_BLOCKS = 8, 16, 4  # blocks 0..3, then the head (layer 4)
@@ -82,7 +83,7 @@ def local_batch(step: int, dp_rank: int, dp: int = DP):
 def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training on the global batches: losses and final parameters."""
     model = whole_model()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
     losses = []
     for step in range(NUM_STEPS):
         x, y = global_batch(step)
@@ -133,7 +134,7 @@ def train(strategy: str, schedule: str, infer: bool, save_to: str | None = None)
     step (last stage), gradient reductions per step, the stage's full state at the end."""
     mesh, stage, module = build_stage(strategy, infer=infer)
     dp_rank = mesh["dp"].get_local_rank()
-    optim = torch.optim.AdamW(module.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(module.parameters(), **REORDER_SAFE_ADAMW)
     sched = SCHEDULES[schedule](stage, n_microbatches=NUM_MICROBATCHES, loss_fn=F.mse_loss)
     losses, reductions = [], []
     for step in range(NUM_STEPS):
