@@ -3,7 +3,7 @@
 Each pipeline stage is split by torch's ``parallelize_module`` over ``mesh["tp"]``,
 wrapped in ``ShardedModule`` over ``mesh["dp"]`` (ZeRO-3, ZeRO-2, ZeRO-1) and driven by
 torch's ``Schedule1F1B`` / ``ScheduleGPipe`` through ``ShardedPipelineStage``; see
-tests/dist/threed_cases.py. Losses and full parameters after 5 AdamW steps are compared
+tests/dist/threed_cases.py. Losses and full parameters after 3 AdamW steps are compared
 with single-process training on the global batch within bounds on float32 rounding (TP
 splits the matmuls' sums, so the bits may differ, not the values; see [Note: tolerances
 from bounds] in tests/tolerances.py). Checkpoints: the

@@ -33,7 +33,10 @@ from tests.tolerances import REORDER_SAFE_ADAMW
 
 PP, DP, TP = 2, 2, 2
 DIM, HIDDEN, NUM_BLOCKS = 8, 16, 4  # blocks 0..3, then the head (layer 4)
-MICRO_BATCH, NUM_MICROBATCHES, NUM_STEPS = 2, 4, 5
+# Two microbatches give 1F1B and GPipe each phase (warm-up, steady, cool-down) with two
+# stages, and three steps show steps after the first (gathers in the recorded order):
+# the properties need no more, and every step costs 8 ranks many collectives.
+MICRO_BATCH, NUM_MICROBATCHES, NUM_STEPS = 2, 2, 3
 CKPT_STEPS = 2  # steps the plain data-parallel run trains before saving the reverse case
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # (strategy, schedule, infer): ZeRO-3, ZeRO-2 and ZeRO-1 under both schedules between
