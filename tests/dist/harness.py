@@ -60,6 +60,11 @@ WORLD_SIZES = (1, 2, 3)
 MULTI_RANK_WORLD_SIZES = (2, 3)  # for what one rank cannot show (traffic, sharding)
 
 RANK_TIMEOUT_S = 120.0  # generous for 2 loaded CPU cores; a hang fails instead of blocking CI
+# A new pool's ranks import torch (and what the tests' modules import) and meet in their
+# gloo group before the first test runs on them: a minute and more for 8 ranks on 2 slow,
+# loaded cores. That is start-up, not a hang, so it has its own, longer limit, and a
+# test's RANK_TIMEOUT_S starts when its function is handed to ranks that are ready.
+RANK_START_TIMEOUT_S = 600.0
 DEATH_GRACE_S = 10.0  # after a rank dies, how long the others may take to report why they fail
 
 # Set for one test by the ``fresh_ranks`` marker (tests/conftest.py).
@@ -229,6 +234,7 @@ class _Pool:
         init_file = os.path.join(self.tmp, "rendezvous")
         self.conns = []
         self.procs = []
+        self.started = False  # every rank said it is in the group and waits for tasks
         for rank in range(world_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
@@ -246,7 +252,37 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
+    def wait_started(self) -> None:
+        """Wait (up to RANK_START_TIMEOUT_S) for every rank's word that it is ready."""
+        deadline = time.monotonic() + RANK_START_TIMEOUT_S
+        waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        while waiting:
+            sentinels = {self.procs[rank].sentinel: rank for rank in waiting.values()}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"ranks {sorted(waiting.values())} of a new pool of {self.world_size} "
+                    f"did not start within {RANK_START_TIMEOUT_S}s"
+                )
+            for handle in wait_for([*waiting, *sentinels], timeout=min(left, 5.0)):
+                if handle in waiting:
+                    try:
+                        handle.recv()
+                    except EOFError:
+                        continue  # it died: its sentinel says so
+                    del waiting[handle]
+                elif sentinels[handle] in waiting.values():
+                    rank = sentinels[handle]
+                    self.procs[rank].join(timeout=1.0)
+                    raise AssertionError(
+                        f"rank {rank} of a new pool exited with code "
+                        f"{self.procs[rank].exitcode} while starting"
+                    )
+        self.started = True
+
     def run(self, fn: Callable[..., Any], args: tuple) -> tuple[list[Any], list[str]]:
+        if not self.started:
+            self.wait_started()
         # One pickling per rank: a tensor argument is shared through a file descriptor that
         # each pickled copy hands over once.
         for conn in self.conns:
@@ -371,6 +407,7 @@ def _serve(rank: int, world_size: int, init_file: str, conn, parent_pid: int) ->
     )
     world = dist.group.WORLD
     start = _Baseline(world)
+    conn.send("started")  # Pool.wait_started
     done = 0
     while True:
         try:

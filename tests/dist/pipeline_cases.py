@@ -23,6 +23,7 @@ import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
 from shardwrap.ckpt.pretrained import load_pretrained
 from shardwrap.features.pipeline_stage import ShardedPipelineStage
+from tests.tolerances import REORDER_SAFE_ADAMW
 
 DIM = 8
 NUM_LINEAR = 4
@@ -90,7 +91,7 @@ def dp_mean_loss(step_losses: list[torch.Tensor], dp_group, dp: int) -> float:
 def reference_run(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training on the same global batches: losses and final parameters."""
     model = whole_model()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
     losses = []
     for step in range(NUM_STEPS):
         x, y = global_batch(step, dp)
@@ -148,7 +149,7 @@ def train(world_size: int, pp: int, strategy: str, schedule: str, keep_gathered:
     mesh, stages, wrapped = build_stages(pp, dp, strategy, virtual, keep_gathered)
     dp_rank = mesh["dp"].get_local_rank()
     params = [p for m in wrapped for p in m.parameters()]
-    optim = torch.optim.AdamW(params, lr=0.01)
+    optim = torch.optim.AdamW(params, **REORDER_SAFE_ADAMW)
     stage_arg = stages if virtual > 1 else stages[0]
     sched = SCHEDULES[schedule](stage_arg, n_microbatches=NUM_MICROBATCHES, loss_fn=F.mse_loss)
     is_first = any(s.is_first for s in stages)

@@ -2,7 +2,8 @@
 
 Every case trains the tiny MLP of ``pipeline_cases`` for 5 AdamW steps of 4 microbatches
 per data-parallel rank and is checked against single-process training on the same global
-batch (losses every step, full parameters at the end; ``assert_close`` defaults). The
+batch (losses every step, full parameters at the end; within bounds on float32 rounding,
+the batch being summed in parts: tests/tolerances.py). The
 ledger shows one gradient reduction per unit and step (after the last microbatch's
 backward), and how often ZeRO-3 parameters are gathered with and without keeping them.
 """
@@ -14,6 +15,7 @@ import torch
 
 from tests.dist import pipeline_cases as pc
 from tests.dist.harness import run_ranks
+from tests.tolerances import REORDERED_GRAD_TOL, REORDERED_VALUE_TOL, reordered_param_tol
 
 PP, WORLD = 2, 4
 CASES = [
@@ -40,9 +42,14 @@ def test_pipeline_matches_single_process(results, reference, case):
     for rank, by_case in enumerate(results):
         out = by_case[case]
         if rank // (WORLD // PP) == PP - 1:  # the last stage computes the losses
-            torch.testing.assert_close(out["losses"], ref_losses)
+            torch.testing.assert_close(out["losses"], ref_losses, **REORDERED_VALUE_TOL)
         for name, value in out["final"].items():
-            torch.testing.assert_close(value, ref_params[name], msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                value,
+                ref_params[name],
+                msg=lambda m, n=name: f"{n}: {m}",
+                **reordered_param_tol(pc.NUM_STEPS),
+            )
             seen.add(name)
     assert seen == set(ref_params)  # the stages together hold the whole model
 
@@ -80,5 +87,7 @@ def test_controls_for_hand_written_accumulation():
     for by_keep in run_ranks(pc.accumulation_worker, 2):
         for keep, out in by_keep.items():
             for name, grad in out["reference"].items():
-                torch.testing.assert_close(out["full_grads"][name], grad, msg=name)
+                torch.testing.assert_close(
+                    out["full_grads"][name], grad, msg=name, **REORDERED_GRAD_TOL
+                )
         assert by_keep[True]["gathers"] < by_keep[False]["gathers"], by_keep

@@ -29,6 +29,7 @@ from shardwrap.features.pipeline_stage import ShardedPipelineStage
 from shardwrap.policies import ModuleWrapPolicy
 from tests.dist.pipeline_cases import dp_mean_loss, run_schedule
 from tests.dist.tp_cases import model_state_bytes
+from tests.tolerances import REORDER_SAFE_ADAMW
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 64, 32, 4, 4, 8
 MICRO_BATCH, NUM_MICROBATCHES, NUM_STEPS = 2, 2, 3
@@ -111,7 +112,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def reference_run(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The plain Hugging Face model trained in one process: losses, final parameters."""
     model = whole_model()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
     losses = []
     for step in range(NUM_STEPS):
         x, y = global_batch(step, dp)
@@ -168,7 +169,7 @@ def train_worker(rank: int, world_size: int, shape: dict, save_to: str) -> dict:
     pp, dp = shape["pp"], shape["dp"]
     stage, module = _stage(mesh, pp, "FULL_SHARD")
     dp_rank = mesh["dp"].get_local_rank()
-    optim = torch.optim.AdamW(module.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(module.parameters(), **REORDER_SAFE_ADAMW)
     sched = Schedule1F1B(stage, n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
     rows = NUM_MICROBATCHES * MICRO_BATCH
     losses = []

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 import shardwrap
 from shardwrap import ShardedModule
 from shardwrap.policies import ModuleWrapPolicy
+from tests.tolerances import REORDER_SAFE_ADAMW
 
 DP, TP = 2, 2
 VOCAB, DIM, HEADS, SEQ, BATCH = 16, 8, 2, 4, 2  # BATCH: per data-parallel rank
@@ -144,7 +145,7 @@ def local_rows(batch, dp_rank: int, dp: int = DP):
 def reference_run(num_steps: int = NUM_STEPS, max_norm: float | None = None):
     """Losses, clipping norms and final parameters of single-process training."""
     model = build_reference()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
     losses, norms = [], []
     for step in range(num_steps):
         loss = loss_of(model, *global_batch(step))
@@ -179,7 +180,7 @@ def train_tp(
     mesh = make_mesh()
     plan = sequence_parallel_plan() if sequence_parallel else None
     sharded = wrap(parallelized(build_reference(), mesh, plan), mesh, strategy)
-    optim = torch.optim.AdamW(sharded.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(sharded.parameters(), **REORDER_SAFE_ADAMW)
     dp_rank = mesh["dp"].get_local_rank()
     losses, norms, shown = [], [], {}
 
@@ -323,7 +324,7 @@ def summon_and_no_sync(rank: int, world_size: int) -> dict:
     On a 3-D mesh's ``dp`` slice."""
     mesh = make_mesh_3d()
     model = wrap(parallelized(build_reference(), mesh), mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
     dp_rank = mesh["dp"].get_local_rank()
     for step in range(2):
         with model.no_sync():
@@ -344,7 +345,7 @@ def summon_and_no_sync(rank: int, world_size: int) -> dict:
 
 def reference_no_sync() -> dict[str, torch.Tensor]:
     model = build_reference()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
     for step in range(2):
         for micro in (2 * step, 2 * step + 1):
             loss_of(model, *global_batch(micro)).backward()
@@ -364,7 +365,7 @@ def hybrid_state(rank: int, world_size: int, num_steps: int) -> dict:
         sharding_strategy="HYBRID_SHARD",
         auto_wrap_policy=ModuleWrapPolicy({TPBlock}),
     )
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
     _trained(model, optim, mesh["shard"].get_local_rank(), DP, num_steps)
     return model.state_dict()
 
@@ -384,7 +385,7 @@ def offload_and_checkpointing(rank: int, world_size: int, num_steps: int) -> dic
         model = wrap(parallelized(build_reference(), mesh), mesh, **kwargs)
         if case == "activation_checkpointing":
             apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TPBlock))
-        optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+        optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
         _trained(model, optim, dp_rank, DP, num_steps)
         states[case] = model.state_dict()
     return states
