@@ -14,13 +14,14 @@ tensor lives. Linux only; elsewhere it is skipped.
 
 [Note: fault-around]
 A read fault on a file mapping maps not only the faulting page but every cached page of
-an aligned window around it (``fault_around_bytes``, 64 KiB by default). Releasing views
-of one buffer one after the other (a gradient's weight piece, then its bias piece; one
-sub-group of a step, then the next) would therefore leave, at each boundary, up to a
-window of the neighbour released just before, mapped again by the next view's first read.
-So a release widens its range to that window's alignment, within the tensor's storage
-(never past its mapping): it drops what reading the tensor can have mapped. The pages of
-a neighbour it drops are read back on its next access, as always.
+a window around it (``fault_around_bytes``, 64 KiB by default): the window starts at the
+aligned address at or below the fault, or at the mapping's start if that is later, and
+spans 64 KiB from there. Releasing views of one buffer one after the other (a gradient's
+weight piece, then its bias piece; one sub-group of a step, then the next) would
+therefore leave, at each boundary, up to a window of the neighbour released just before,
+mapped again by the next view's first read. So a release widens its range to every
+window reading the tensor can fault in, within the tensor's storage (never past its
+mapping). The pages of a neighbour it drops are read back on its next access, as always.
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ def release_resident(tensor: torch.Tensor) -> None:
     mapped_start = storage.data_ptr() // _PAGE * _PAGE
     mapped_end = -(-(storage.data_ptr() + storage.nbytes()) // _PAGE) * _PAGE
     start = max(mapped_start, tensor.data_ptr() // _RELEASE_ALIGN * _RELEASE_ALIGN)
-    end = min(mapped_end, -(-(tensor.data_ptr() + num_bytes) // _RELEASE_ALIGN) * _RELEASE_ALIGN)
+    end = -(-(tensor.data_ptr() + num_bytes) // _RELEASE_ALIGN) * _RELEASE_ALIGN
+    if start == mapped_start:  # the first window may be one clamped to the mapping's start
+        end = max(end, mapped_start + _RELEASE_ALIGN)
+    end = min(end, mapped_end)
     if _libc.madvise(start, end - start, _MADV_DONTNEED) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"DiskOffload: madvise failed: {os.strerror(error)}")
