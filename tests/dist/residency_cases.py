@@ -239,7 +239,7 @@ def residency(rank: int, world_size: int, path: str, config: str, check_count: b
     if check_count:
         states = [t for s in optim.state.values() for t in s.values() if t.dim()]
         for tensor in [*model.parameters(), *states]:
-            float(tensor.sum())  # reads every page
+            float(tensor.detach().sum())  # reads every page
         result.update(counted=offloaded_resident(store.directory))
         result.update(smaps=smaps_resident(store.directory))
     return result
