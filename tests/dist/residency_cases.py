@@ -30,16 +30,18 @@ The bound at a unit boundary in forward and backward is one unit's shard (``UNIT
 page-rounded): the shard of a gather issued ahead (backward prefetch) is read by the
 collective until it is waited for and released. Everywhere else it is zero: every place
 that touched a buffer has released it, and a release covers whatever reading its tensor
-can have mapped ([Note: fault-around] in shardwrap/base/pages.py). No slack: on this
-machine every phase peaked at exactly its bound or 0, and a kernel that maps more per
-touch (a fault-around window set above 64 KiB, tmpfs with huge pages) does leave more
-resident. The model's offloaded state is ``4 * NUM_UNITS`` units (with a second gradient
+can have mapped ([Note: fault-around] in shardwrap/base/pages.py). No slack: on Linux
+6.18 (ext4, 4 KiB pages) every phase peaked at exactly its bound or at 0 (``pytest
+tests/dist/test_beyond_ram.py``), and a kernel that maps more per touch (a fault-around
+window set above 64 KiB, tmpfs with huge pages) does leave more resident. Linux only,
+as the releases are. The model's offloaded state is ``4 * NUM_UNITS`` units (with a second gradient
 buffer while accumulating, more), so a release that does nothing leaves several units
 resident where it should have left none.
 
 Negative controls (:func:`residency_without`): one release site at a time is made a
 no-op, in the rank, for the calls from one library function, and the bound of the phase
-that site serves must fail.
+that site serves must fail; and releases cut to the page (not widened to the fault-around
+window) must break the bound between sub-groups.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from torch import nn
 
 import shardwrap
 from shardwrap import flat_param
+from shardwrap.base import pages
 from shardwrap.base.pages import release_resident
 from shardwrap.core import grads as grads_module
 from shardwrap.features import grad_clip
@@ -286,3 +289,13 @@ def residency_without(rank: int, world_size: int, path: str, site: str) -> dict:
     """:func:`residency` of ``site``'s config with ``site``'s page release a no-op."""
     with disabled_release(site):
         return residency(rank, world_size, path, RELEASE_SITES[site][2], False)
+
+
+def residency_with_page_exact_releases(rank: int, world_size: int, path: str) -> dict:
+    """:func:`residency`, streamed, with releases not widened to the fault-around window."""
+    original = pages._RELEASE_ALIGN
+    pages._RELEASE_ALIGN = PAGE
+    try:
+        return residency(rank, world_size, path, "streamed", False)
+    finally:
+        pages._RELEASE_ALIGN = original
