@@ -103,6 +103,8 @@ def post_forward(
             unit.handle.reshard(free=unit.strategy.free_after_backward)
         elif unit.strategy.reduces_at_step:
             unit.handle.reshard(free=False)
+        else:  # kept for backward: the pages forward read of a lone shard are released
+            unit.handle.release_computed_pages()
     if not training:
         # A reentrant activation checkpoint runs forward without grad and again in
         # backward, so backward may still need the unit.

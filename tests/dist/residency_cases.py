@@ -26,8 +26,11 @@ The rank samples it where shardwrap says it has released what it touched:
   ``load_state_dict`` left in memory back into its files;
 * ``after step``: after ``optimizer.step()``.
 
+Runs: FULL_SHARD with a streamed step and with a step in one sub-group, and NO_SHARD
+(streamed), where the module computes on the mapped shard itself.
+
 The bound at a unit boundary in forward and backward is one unit's shard (``UNIT_BYTES``,
-page-rounded): the shard of a gather issued ahead (backward prefetch) is read by the
+twice that under NO_SHARD; page-rounded): the shard of a gather issued ahead (backward prefetch) is read by the
 collective until it is waited for and released. Everywhere else it is zero: every place
 that touched a buffer has released it, and a release covers whatever reading its tensor
 can have mapped ([Note: fault-around] in shardwrap/base/pages.py). No slack: on Linux
@@ -71,7 +74,13 @@ WIDTH, NUM_UNITS = 256, 8
 UNIT_BYTES = (WIDTH * WIDTH + WIDTH) * 4 // 2  # one unit's fp32 shard on each of 2 ranks
 SUB_GROUP = UNIT_BYTES // 4 * 3 // 4  # elements: sub-groups cut units, at odd places
 MICRO_BATCHES = (2, 1)  # per step; the second backward of the first adds to stored gradients
-CONFIGS = {"streamed": SUB_GROUP, "one group": 1_000_000_000}  # DiskOffload.sub_group_size
+# (DiskOffload.sub_group_size, sharding strategy); under NO_SHARD the module computes on
+# the shard itself, twice a FULL_SHARD unit's shard.
+CONFIGS = {
+    "streamed": (SUB_GROUP, "FULL_SHARD"),
+    "one group": (1_000_000_000, "FULL_SHARD"),
+    "no shard": (SUB_GROUP, "NO_SHARD"),
+}
 
 IN_FLIGHT_PHASES = ("forward", "backward")
 QUIESCENT_PHASES = (
@@ -89,17 +98,18 @@ QUIESCENT_PHASES = (
 def phases(config: str) -> set[str]:
     """The phases a run of ``config`` samples."""
     sampled = {*IN_FLIGHT_PHASES, *QUIESCENT_PHASES}
-    return sampled if config == "streamed" else sampled - {"sub-group"}
+    return sampled if CONFIGS[config][0] == SUB_GROUP else sampled - {"sub-group"}
 
 
-def bound(phase: str) -> int:
+def bound(phase: str, config: str) -> int:
     """The most resident bytes of the offloaded state allowed in ``phase`` (see the Note)."""
-    return -(-UNIT_BYTES // PAGE) * PAGE if phase in IN_FLIGHT_PHASES else 0
+    shard_bytes = UNIT_BYTES * (2 if CONFIGS[config][1] == "NO_SHARD" else 1)
+    return -(-shard_bytes // PAGE) * PAGE if phase in IN_FLIGHT_PHASES else 0
 
 
-def over_bound(peaks: dict[str, int]) -> dict[str, int]:
+def over_bound(peaks: dict[str, int], config: str) -> dict[str, int]:
     """The phases whose peak exceeds their bound, with the peak."""
-    return {phase: peak for phase, peak in peaks.items() if peak > bound(phase)}
+    return {phase: peak for phase, peak in peaks.items() if peak > bound(phase, config)}
 
 
 _MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")  # a mapping's header line in smaps
@@ -212,10 +222,12 @@ def residency(rank: int, world_size: int, path: str, config: str, check_count: b
     torch.manual_seed(0)
     with torch.device("meta"):
         plain = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(NUM_UNITS)])
+    sub_group_size, strategy = CONFIGS[config]
     model = shardwrap.ShardedModule(
         plain,
         auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-        cpu_offload=shardwrap.DiskOffload(path, CONFIGS[config]),
+        sharding_strategy=strategy,
+        cpu_offload=shardwrap.DiskOffload(path, sub_group_size),
     )
     store = model.disk_store
     probe = Probe(store.directory, {})
@@ -265,6 +277,7 @@ RELEASE_SITES = {
     "streamed step": (disk_step, "_step_sub_group", "streamed", "sub-group"),
     "loaded state": (disk, "place_state", "streamed", "loaded state"),
     "after step": (disk, "release_pages", "one group", "after step"),
+    "computed in place": (flat_param, "release_computed_pages", "no shard", "after forward"),
 }
 
 

@@ -34,7 +34,7 @@ def test_disk_offload_keeps_only_the_unit_in_flight_resident(tmp_path) -> None:
             # The state is many times the largest bound (shards and Adam state alone).
             assert result["mapped"] >= 3 * residency_cases.NUM_UNITS * residency_cases.UNIT_BYTES
             assert set(result["peaks"]) == residency_cases.phases(config), where
-            assert residency_cases.over_bound(result["peaks"]) == {}, where
+            assert residency_cases.over_bound(result["peaks"], config) == {}, where
             # The count is the kernel's, and sees pages: everything read is resident.
             assert result["counted"] == result["smaps"] >= result["mapped"], where
     assert os.listdir(tmp_path) == [], "the scratch directories are removed at exit"
@@ -44,10 +44,10 @@ def test_disk_offload_keeps_only_the_unit_in_flight_resident(tmp_path) -> None:
 @pytest.mark.parametrize("site", sorted(residency_cases.RELEASE_SITES))
 def test_residency_fails_without_each_page_release(tmp_path, site: str) -> None:
     """Negative control: the site's page release made a no-op breaks its phase's bound."""
-    phase = residency_cases.RELEASE_SITES[site][3]
+    _, _, config, phase = residency_cases.RELEASE_SITES[site]
     results = run_ranks(residency_cases.residency_without, 2, str(tmp_path), site)
     for rank, result in enumerate(results):
-        over = residency_cases.over_bound(result["peaks"])
+        over = residency_cases.over_bound(result["peaks"], config)
         assert phase in over, (rank, site, result["peaks"])
 
 
@@ -57,7 +57,8 @@ def test_residency_fails_with_releases_not_widened_to_fault_around(tmp_path) -> 
     read faults mapped of the last ([Note: fault-around] in shardwrap/base/pages.py)."""
     results = run_ranks(residency_cases.residency_with_page_exact_releases, 2, str(tmp_path))
     for rank, result in enumerate(results):
-        assert "sub-group" in residency_cases.over_bound(result["peaks"]), (rank, result)
+        over = residency_cases.over_bound(result["peaks"], "streamed")
+        assert "sub-group" in over, (rank, result)
 
 
 def test_disk_offload_trains_a_model_several_times_the_ceiling(tmp_path) -> None:
