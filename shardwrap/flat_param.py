@@ -366,19 +366,14 @@ class FlatParamHandle:
         """Show the shard views; release the gathered storage when ``free``."""
         self.show_params(self.shard_params)
         self.state = ShardedState.SHARDED
-        self.release_computed_pages()
+        if not self.separate_full:  # the module computed on the shard (DiskOffload: a file)
+            release_resident(self.flat_shard)
         if free and self.separate_full:
             self._finish_gather()  # never release storage under an all-gather in flight
             if self.comm_quant is not None:  # hpZ
                 self.comm_quant.keep_secondary(self.flat_full, self._current_version())
             self.flat_full.untyped_storage().resize_(0)
             self._gathered_version = None
-
-    def release_computed_pages(self) -> None:
-        """The module computed on the shard itself (one shard, no separate copy): release its
-        pages ([Note: releasing mapped pages where they are touched])."""
-        if not self.separate_full:
-            release_resident(self.flat_shard)
 
     def _current_version(self) -> ShardVersion | None:
         return self._gathered_version if self.full_is_current else None

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 import shardwrap
-from shardwrap import flat_param
+from shardwrap import flat_param, hooks
 from shardwrap.base import pages
 from shardwrap.base.pages import release_resident
 from shardwrap.core import grads as grads_module
@@ -277,7 +277,7 @@ RELEASE_SITES = {
     "streamed step": (disk_step, "_step_sub_group", "streamed", "sub-group"),
     "loaded state": (disk, "place_state", "streamed", "loaded state"),
     "after step": (disk, "release_pages", "one group", "after step"),
-    "computed in place": (flat_param, "release_computed_pages", "no shard", "after forward"),
+    "computed in place": (hooks, "post_forward", "no shard", "after forward"),
 }
 
 
