@@ -366,6 +366,8 @@ class FlatParamHandle:
         """Show the shard views; release the gathered storage when ``free``."""
         self.show_params(self.shard_params)
         self.state = ShardedState.SHARDED
+        if not self.separate_full:  # the module computed on the shard (DiskOffload: a file)
+            release_resident(self.flat_shard)
         if free and self.separate_full:
             self._finish_gather()  # never release storage under an all-gather in flight
             if self.comm_quant is not None:  # hpZ

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .base.compiler import run_eagerly
+from .base.pages import release_resident
 from .base.torch_compat import tree_flatten, tree_unflatten
 from .core.unit import TrainingState, Unit
 from .flat_param import FlatParamHandle
@@ -110,6 +111,8 @@ def post_forward(
             unit.handle.reshard(free=unit.strategy.free_after_backward)
         elif unit.strategy.reduces_at_step:
             unit.handle.reshard(free=False)
+        elif not unit.handle.separate_full:  # kept, and computed on the shard (DiskOffload)
+            release_resident(unit.handle.flat_shard)
     if not training:
         # A reentrant activation checkpoint runs forward without grad and again in
         # backward, so backward may still need the unit.

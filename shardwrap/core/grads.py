@@ -249,6 +249,7 @@ class UnitGrads:
                 for param in self.shard_params:
                     if param.grad is not None:
                         release_resident(param.grad)
+                release_resident(pending)  # read again by an accumulation's add
 
     def _piece_finder(self, reduced_chunk: torch.Tensor) -> Callable[[int], torch.Tensor]:
         """``index -> _grad_piece(reduced_chunk, index)``, with the chunk cut up once."""

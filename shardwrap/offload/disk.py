@@ -25,6 +25,10 @@ The gradients handed to the optimizer are as large as the master shard. The stor
 each unit's reduced gradient in a mapped buffer too (``grad_buffer``; see [Note: gradients
 in a grad store] in core/grads.py), reused from step to step while nothing holds it (after
 ``zero_grad``), else replaced by a new one; the streamed step releases them with the rest.
+Under gradient accumulation the views' gradients still hold the kept buffer when the next
+backward's reduction arrives: it lands in a new buffer, which is added into them and
+released with them; the buffer the gradients lie in is then no longer the kept one, so
+``release_pages`` releases the gradients themselves too.
 
 [Note: optimizer state on disk]
 torch's Adam/AdamW create their state lazily (zeros and a step counter) on the first
@@ -144,7 +148,10 @@ class DiskStore:
 
         See [Note: releasing resident pages].
         """
-        for tensor in [*self._mapped, *self._grad_buffers.values()]:
+        # The shard views' gradients too: under accumulation they lie in a buffer the store
+        # has replaced by a new one ([Note: gradients on disk]).
+        grads = [p.grad for h in self.handles for p in h.shard_params if p.grad is not None]
+        for tensor in [*self._mapped, *self._grad_buffers.values(), *grads]:
             release_resident(tensor)
 
     def attach(self, handles: Iterable[FlatParamHandle | None]) -> None:

@@ -3,7 +3,11 @@
 [Note: a memory ceiling on a rank]
 ``RLIMIT_DATA`` limits a process's private writable memory (heap, anonymous mappings,
 thread stacks), which is where tensors live, and not shared file mappings, where
-``DiskOffload`` keeps master shards, gradients and Adam state. The rank first does
+``DiskOffload`` keeps master shards, gradients and Adam state. So the ceiling shows that
+everything else (gathered parameters, activations, gradients before they are stored,
+temporaries) fits where the model in memory does not; it says nothing about how much of
+the offloaded state is resident, which would pass even if no page were ever released
+(that is measured in tests/dist/residency_cases.py). The rank first does
 everything a run does once per process (a warm-up run starts gloo's and shardwrap's
 threads, torch's lazily made state), then sets the soft limit ``CEILING_HEADROOM`` bytes
 above what it uses now (VmData); lifting it again is allowed because only the soft limit
@@ -78,7 +82,8 @@ def _out_of_memory(error: BaseException) -> bool:
 
 
 def trains_beyond_the_ceiling(rank: int, world_size: int, path: str) -> dict:
-    """Disk offload trains under the ceiling, bit for bit as in memory; memory alone fails."""
+    """Disk offload trains under the ceiling on private memory, bit for bit as in memory;
+    in memory alone it fails."""
     libc = ctypes.CDLL(None)
     for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
         assert libc.mallopt(option, 256 << 10) == 1
