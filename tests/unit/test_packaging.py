@@ -33,6 +33,20 @@ def test_import_shardwrap_imports_no_test_extra():
     assert "numpy" not in {name.split(".")[0] for name in loaded - baseline}
 
 
+def test_numpy_is_a_runtime_dependency_where_shardwrap_uses_it():
+    # torch does not require numpy, but Tensor.numpy() raises without it: a plain
+    # `pip install shardwrap` must bring it (make demo installs nothing else).
+    users = []
+    for folder, _, names in os.walk(os.path.join(ROOT, "shardwrap")):
+        for name in (n for n in names if n.endswith(".py")):
+            with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                text = handle.read()
+            if ".numpy()" in text or "import numpy" in text:
+                users.append(name)
+    runtime = {Requirement(d).name for d in _project()["dependencies"]}
+    assert not users or "numpy" in runtime, users
+
+
 def _project() -> dict:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
