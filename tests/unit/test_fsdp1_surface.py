@@ -40,6 +40,7 @@ NOT_PROVIDED = {
     "register_fsdp_forward_method": _FSDP2 + " (see shardwrap.register_forward_method)",
     "share_comm_ctx": _FSDP2,
     "DataParallelMeshDims": _FSDP2,
+    "GradientReductionHandle": _FSDP2 + " (new in torch 2.15)",
     "LocalStateDictConfig": _LOCAL,
     "LocalOptimStateDictConfig": _LOCAL,
     "StateDictType.LOCAL_STATE_DICT": _LOCAL,
