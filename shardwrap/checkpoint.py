@@ -10,7 +10,8 @@ Every rank reports success or its error to all others before anyone goes on, so 
 on one rank raises on all of them instead of leaving the rest waiting in a collective.
 
 The rest of saved state, by file (all in ``ckpt/``): reading ``reader.py``, writing
-safetensors ``safetensors_writer.py``, optimizer state ``optim_state.py``, state dicts
+safetensors ``safetensors_writer.py``, the index's commit ``commit.py``, saves in the
+background ``async_save.py``, optimizer state ``optim_state.py``, state dicts
 ``state_dict.py``, one-file export ``consolidate.py``, Hugging Face loading
 ``pretrained.py``.
 """
