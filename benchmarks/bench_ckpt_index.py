@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shardwrap  # noqa: E402
 from shardwrap import checkpoint  # noqa: E402
 from shardwrap.base.gc_pause import gc_paused  # noqa: E402
-from shardwrap.ckpt import fragments  # noqa: E402
+from shardwrap.ckpt import commit, fragments  # noqa: E402
 from shardwrap.ckpt import slots as ckpt_slots  # noqa: E402
 from shardwrap.ckpt.format import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
@@ -212,7 +212,7 @@ def measure(shape: LlamaShape, world_size: int, format_1: bool) -> dict:
         with tempfile.TemporaryDirectory() as root:
             start = time.perf_counter()
             with gc_paused():  # as save_checkpoint builds it
-                checkpoint._commit_index(root, SAVE_ID, slots, optimizer, reports, None, None)
+                commit.commit_index(root, SAVE_ID, slots, optimizer, reports, None, None)
             build_s = time.perf_counter() - start
             index_path = os.path.join(root, "index.json")
             index_size = os.path.getsize(index_path)

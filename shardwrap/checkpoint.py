@@ -10,34 +10,35 @@ Every rank reports success or its error to all others before anyone goes on, so 
 on one rank raises on all of them instead of leaving the rest waiting in a collective.
 
 The rest of saved state, by file (all in ``ckpt/``): loading (its checks, then its copy)
-``loading.py``, reading ``reader.py``, writing safetensors ``safetensors_writer.py``,
-optimizer state ``optim_state.py``, state dicts ``state_dict.py``, one-file export
-``consolidate.py``, Hugging Face loading ``pretrained.py``.
+``loading.py``, reading ``reader.py``, writing
+safetensors ``safetensors_writer.py``, the index's commit ``commit.py``, saves in the
+background ``async_save.py``, optimizer state ``optim_state.py``, state dicts
+``state_dict.py``, one-file export ``consolidate.py``, Hugging Face loading
+``pretrained.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import json
 import os
-from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .base.gc_pause import gc_paused
-from .ckpt import fragments, run_state
-from .ckpt.entries import SavedPiece, group_pieces
+from .base.validate import check_bool
+from .ckpt import async_save, fragments, run_state
+from .ckpt.async_save import AsyncSave
+from .ckpt.commit import commit_index
 from .ckpt.format import (
-    INDEX_NAME,
     CheckpointError,
-    CheckpointIndex,
     FileEntry,
-    TensorEntry,
-    check_coverage,
     dtype_name,
-    index_bytes,
     read_index,
-    remove_stale_files,
     shard_file_name,
     write_atomic,
 )
@@ -45,13 +46,13 @@ from .ckpt.loading import Loading
 from .ckpt.optim_state import (
     SCALAR,
     SHARDED,
-    optimizer_class_name,
     optimizer_slots,
     state_kind,
 )
 from .ckpt.outcome import agree_on_id, check_json, guarded, settle
 from .ckpt.safetensors_writer import StreamItem, write_stream
 from .ckpt.slots import ModelSlots, ParamSlot, model_slots
+from .comm.collectives import Communicator
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
@@ -64,7 +65,9 @@ def save_checkpoint(
     *,
     extra: Any = None,
     sampler: Any = None,
-) -> None:
+    asynchronous: bool = False,
+    on_commit: Callable[[], None] | None = None,
+) -> AsyncSave | None:
     """Save ``model`` (and ``optimizer``) to the folder ``path``; call on every rank.
 
     ``extra`` is any JSON value (step, epoch, scheduler state); it comes back from
@@ -72,27 +75,65 @@ def save_checkpoint(
     ``sampler.state_dict()`` (the data position, e.g. of a
     :class:`~shardwrap.data.sampler.ResumableSampler`) in a small file of its own
     ([Note: run state files]). The checkpoint becomes visible only once complete.
+
+    With ``asynchronous`` (the same on every rank), the state is copied into host buffers
+    and an :class:`~shardwrap.ckpt.async_save.AsyncSave` is returned at once; its files are
+    written, hashed and committed in the background, and ``result()`` raises any failure
+    ([Note: asynchronous saves]). Any save first waits for the model's save in flight.
+    ``on_commit`` runs on world rank 0 once the index is written, before any rank learns
+    that the save succeeded (its failure fails the save).
     """
+    check_bool("asynchronous", asynchronous)
+    if on_commit is not None and not callable(on_commit):
+        raise TypeError(f"on_commit: expected a callable, got {type(on_commit).__name__}")
     root = os.fspath(path)
     slots = model_slots(model)
     comm = slots.world_comm
-    # One all-reduce agrees on rank 0's save id and on whether every rank may go on.
+    async_save.wait_for_previous(model)
 
     def open_save() -> dict[str, Any]:
         run_state.check_sampler("sampler", sampler, "state_dict")
         return check_json("extra", extra)
 
+    # One all-reduce agrees on rank 0's save id and on whether every rank may go on.
     opening = guarded(open_save)
     save_id, failures = agree_on_id(comm, opening["error"] is not None)
     settle(comm, "save", root, opening, failures=failures)
+    saver = async_save.saver_of(model, comm) if asynchronous else None
+    staged = guarded(lambda: _stage_rank(save_id, slots, optimizer, sampler, saver))
+    if saver is not None:
+        extra = json.loads(json.dumps(extra, allow_nan=True))  # as of now, not of the commit
+    finish = functools.partial(
+        _finish_save, root, save_id, slots, optimizer, staged, extra, sampler, on_commit
+    )
+    if saver is None:
+        finish(comm)
+        return None
+    return saver.start(root, finish)
 
-    def write_rank() -> dict[str, Any]:
-        report = _write_rank_file(root, save_id, slots, optimizer)
-        run_state.write_run_file(root, save_id, comm.rank, comm.size, sampler)
-        return report
 
-    report = guarded(write_rank)
-    written = [report.get("file"), run_state.run_file_name(save_id, comm.rank)]
+def _stage_rank(save_id: str, slots: ModelSlots, optimizer, sampler, saver) -> dict[str, Any]:
+    """What this rank saves, as of now: its pieces (read lazily while writing, or copied to
+    ``saver``'s host buffers), their records, its fragment and its run record."""
+    items, records = _rank_items(slots, optimizer)
+    # [Note: checkpoints of pipeline stages]; whole from each stage's lead, else a digest
+    part = fragments.to_send(slots, fragments.fragment(slots, optimizer))
+    run = run_state.run_file_bytes(save_id, slots.world_comm.rank, slots.world_comm.size, sampler)
+    if saver is not None:
+        items, part = saver.stage(items), copy.deepcopy(part)
+    return {"items": items, "records": records, "fragment": part, "run": run}
+
+
+def _finish_save(
+    root, save_id, slots, optimizer, staged, extra, sampler, on_commit, comm: Communicator
+) -> None:
+    """Write this rank's files, gather the reports on ``comm``, commit on its rank 0."""
+    rank = slots.world_comm.rank
+    if staged["error"] is None:
+        report = guarded(lambda: _write_rank_file(root, save_id, rank, staged))
+    else:
+        report = staged
+    written = [report.get("file"), run_state.run_file_name(save_id, rank)]
     undo = lambda: _drop_uncommitted(root, save_id, written)  # noqa: E731
     # Only rank 0 receives the ranks' records (a gather): docs/checkpoint-format.md.
     reports = comm.gather_object(report, purpose="checkpoint")
@@ -101,10 +142,15 @@ def save_checkpoint(
         if failed:
             report = {"error": "; ".join(f"rank {rank}: {error}" for rank, error in failed)}
         else:
+
+            def commit() -> dict[str, Any]:
+                commit_index(root, save_id, slots, optimizer, reports, extra, sampler)
+                if on_commit is not None:
+                    on_commit()
+                return {}
+
             with gc_paused():  # millions of pieces at scale: see base/gc_pause.py
-                report = guarded(
-                    lambda: _commit_index(root, save_id, slots, optimizer, reports, extra, sampler)
-                )
+                report = guarded(commit)
     settle(comm, "save", root, report, undo)
 
 
@@ -120,19 +166,17 @@ def _drop_uncommitted(root: str, save_id: str, names: list[str | None]) -> None:
                 os.remove(os.path.join(root, name))
 
 
-def _write_rank_file(
-    root: str, save_id: str, slots: ModelSlots, optimizer: torch.optim.Optimizer | None
-) -> dict[str, Any]:
-    items, records = _rank_items(slots, optimizer)
-    # [Note: checkpoints of pipeline stages]; whole from each stage's lead, else a digest
-    part = fragments.to_send(slots, fragments.fragment(slots, optimizer))
+def _write_rank_file(root: str, save_id: str, rank: int, staged: dict) -> dict[str, Any]:
     os.makedirs(root, exist_ok=True)
-    if not items:
-        return {"file": None, "records": records, "fragment": part}
-    name = shard_file_name(save_id, slots.world_comm.rank)
-    written = write_stream(os.path.join(root, name), items, {"format": "pt", "save_id": save_id})
-    entry = FileEntry(written.size, written.sha256, written.chunk_bytes, written.chunk_sha256)
-    return {"file": name, "file_entry": entry.to_json(), "records": records, "fragment": part}
+    report = {"file": None, "records": staged["records"], "fragment": staged["fragment"]}
+    if staged["items"]:
+        name = shard_file_name(save_id, rank)
+        meta = {"format": "pt", "save_id": save_id}
+        written = write_stream(os.path.join(root, name), staged["items"], meta)
+        entry = FileEntry(written.size, written.sha256, written.chunk_bytes, written.chunk_sha256)
+        report.update(file=name, file_entry=entry.to_json())
+    write_atomic(root, *staged["run"])
+    return report
 
 
 def _rank_items(slots: ModelSlots, optimizer) -> tuple[list[StreamItem], list[tuple]]:
@@ -179,97 +223,6 @@ def _run_pattern(slot: ParamSlot) -> tuple[int, int]:
         return 0, 0
     step = handle.layout.shard_numel
     return step, handle.shard_comm.rank * step - handle.layout.params[slot.index].offset
-
-
-def _commit_index(
-    root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra, sampler
-) -> dict[str, Any]:
-    """World rank 0, once every rank's file is durable: write the index, drop old files.
-
-    The index describes the union of every rank's model ([Note: checkpoints of pipeline
-    stages]).
-    """
-    reports = fragments.without_replicas(reports)  # [Note: replicas the model cannot see]
-    pieces = _collect_pieces(reports)
-    whole = fragments.merge(fragments.received([r["fragment"] for r in reports]))
-    params = {
-        name: _entry(name, tuple(shape), dtype, pieces[("param", name, None)], save_id)
-        for name, (shape, dtype) in whole["params"].items()
-    }
-    buffers = {
-        name: _entry(name, tuple(shape), dtype, pieces[("buffer", name, None)], save_id)
-        for name, (shape, dtype) in whole["buffers"].items()
-    }
-    optim_state = param_groups = None
-    if whole["groups"] is not None:
-        optim_state, param_groups = _optimizer_entries(whole, pieces, save_id), whole["groups"]
-    files = {
-        r["file"]: FileEntry.from_json(r["file"], r["file_entry"]) for r in reports if r["file"]
-    }
-    index = CheckpointIndex(
-        meta={
-            "save_id": save_id,
-            "world_size": slots.world_comm.size,
-            "strategy": _strategy_name(slots),
-            **({"optimizer_class": optimizer_class_name(optimizer)} if optimizer else {}),
-            run_state.META_KEY: run_state.index_record(sampler),
-        },
-        params=params,
-        aliases=whole["aliases"],
-        buffers=buffers,
-        optim_state=optim_state,
-        param_groups=param_groups,
-        files=files,
-        extra=extra,
-    )
-    write_atomic(root, INDEX_NAME, index_bytes(index))
-    remove_stale_files(root, keep=set(files), save_id=save_id)
-    return {}
-
-
-def _strategy_name(slots: ModelSlots) -> str | None:
-    handles = [s.handle for s in slots.slots if s.handle is not None]
-    return handles[0].strategy.name if handles else None
-
-
-PieceMap = defaultdict[tuple[str, str, "str | None"], list[SavedPiece]]
-
-
-def _collect_pieces(reports: list[dict]) -> PieceMap:
-    """Every rank's saved pieces by ``(kind, name, state)``."""
-    pieces: PieceMap = defaultdict(list)
-    for rank, report in enumerate(reports):
-        for kind, name, state, start, end, _, step, origin, at in report["records"]:
-            key = (f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}") + at
-            saved = SavedPiece(rank, report["file"], key, start, end, step, origin)
-            pieces[(kind, name, state)].append(saved)
-    return pieces
-
-
-def _entry(
-    name: str, shape: tuple[int, ...], dtype: str, saved: list[SavedPiece], save_id: str
-) -> TensorEntry:
-    """An index entry; its pieces must tile the tensor (else the save is refused)."""
-    entry = TensorEntry(shape, dtype, *group_pieces(saved, save_id))
-    check_coverage(name, entry)
-    return entry
-
-
-def _optimizer_entries(
-    whole: dict[str, Any], pieces: PieceMap, save_id: str
-) -> dict[str, dict[str, Any]]:
-    """Index entries of the optimizer state the merged fragments describe."""
-    entries: dict[str, dict[str, Any]] = {}
-    for fqn, states in whole["state"].items():
-        for state, described in states.items():
-            if "value" in described:
-                entry: Any = {"value": described["value"]}
-            else:
-                refs = pieces[("optim", fqn, state)]
-                shape = tuple(described["shape"])
-                entry = _entry(f"{fqn}/{state}", shape, described["dtype"], refs, save_id)
-            entries.setdefault(fqn, {})[state] = entry
-    return entries
 
 
 # ------------------------------------------------------------------------------ load

@@ -161,6 +161,13 @@ def _digest(payload: dict[str, Any]) -> str:
 
 def write_run_file(root: str, save_id: str, rank: int, world_size: int, sampler: Any) -> str:
     """Write this rank's run record (durably); returns its file name."""
+    name, text = run_file_bytes(save_id, rank, world_size, sampler)
+    write_atomic(root, name, text)
+    return name
+
+
+def run_file_bytes(save_id: str, rank: int, world_size: int, sampler: Any) -> tuple[str, bytes]:
+    """This rank's run record as of now (generators, data position): its name and bytes."""
     data = sampler.state_dict() if sampler is not None else None
     try:
         json.dumps(data)
@@ -175,10 +182,8 @@ def write_run_file(root: str, save_id: str, rank: int, world_size: int, sampler:
         "rng": capture_rng(),
         "data": data,
     }
-    name = run_file_name(save_id, rank)
     text = json.dumps({"payload": payload, "sha256": _digest(payload)}, separators=(",", ":"))
-    write_atomic(root, name, text.encode("utf-8"))
-    return name
+    return run_file_name(save_id, rank), text.encode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -148,3 +148,20 @@ def _check_tiles(
             f"{sorted(replicate_ranks)} does not tile the world of {world} ranks "
             f"(need shard_size * replicate_size == {world}, meeting only at this rank)"
         )
+
+
+def side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new gloo group over the ranks of ``group``, for work beside the training's.
+
+    Collectives issued from another thread (an asynchronous checkpoint's commit) must not
+    share a group with the training thread's: two threads' collectives on one group
+    interleave differently on each rank. Every rank of the default group calls this, in
+    the same order (torch numbers groups by creation; a group named by its ranks alone
+    would reuse the store keys of an earlier one over the same ranks).
+    """
+    if not collectives.is_initialized():
+        raise ValueError(
+            "asynchronous: needs torch.distributed initialised (a default process group), to "
+            "create the background save's own group"
+        )
+    return dist.new_group(collectives.group_ranks(group), backend="gloo")

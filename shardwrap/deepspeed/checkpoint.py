@@ -9,6 +9,7 @@ checkpoint's ``extra`` record; every rank's random number generators in its run 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Protocol
 
@@ -16,8 +17,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint
-from ..ckpt.slots import world_communicator
-from ..comm import collectives
+from ..ckpt.async_save import AsyncSave
 
 LATEST_FILE = "latest"
 
@@ -46,7 +46,9 @@ def save(
     tag: str | None,
     client_state: dict,
     save_latest: bool,
-) -> str:
+    asynchronous: bool = False,
+) -> tuple[str, AsyncSave | None]:
+    """Save under ``save_dir/tag``; the path, and the handle of an asynchronous save."""
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     if not isinstance(client_state, dict):
         raise TypeError(f"client_state: expected a dict, got {type(client_state).__name__}")
@@ -62,13 +64,18 @@ def save(
         "client_state": client_state,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
     }
-    checkpoint.save_checkpoint(path, engine.module, engine.optimizer, extra=extra)
-    if save_latest and collectives.world_rank() == 0:
-        _write_latest(os.fspath(save_dir), tag)
-    # No rank returns (and perhaps reads `latest`) before rank 0 has written it.
-    # Every rank: under pipeline parallelism the module's own group is its stage's only.
-    world_communicator(engine.module).all_reduce(torch.zeros(1), purpose="barrier").wait()
-    return path
+    # Rank 0 writes `latest` once the index is, before any rank learns that the save
+    # succeeded: no rank goes on (and perhaps reads `latest`) before it is written.
+    on_commit = functools.partial(_write_latest, os.fspath(save_dir), tag) if save_latest else None
+    handle = checkpoint.save_checkpoint(
+        path,
+        engine.module,
+        engine.optimizer,
+        extra=extra,
+        asynchronous=asynchronous,
+        on_commit=on_commit,
+    )
+    return path, handle
 
 
 def _write_latest(save_dir: str, tag: str) -> None:

@@ -279,18 +279,24 @@ class ShardedEngine(nn.Module):
         client_state: dict | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
-    ) -> bool:
+        *,
+        asynchronous: bool = False,
+    ) -> Any:
         """Save under ``save_dir/tag`` (default tag ``global_step<N>``); returns True.
 
-        (DeepSpeed's return value; the checkpoint is the directory ``save_dir/tag``.)
+        (DeepSpeed's return value; the checkpoint is the directory ``save_dir/tag``.) With
+        ``asynchronous`` it returns the save's handle instead (``result()`` raises its
+        failure; ``latest`` names the tag once committed): see ``save_checkpoint``.
         """
         if exclude_frozen_parameters:
             raise ValueError(
                 "save_checkpoint: exclude_frozen_parameters=True is not supported; "
                 "checkpoints hold every parameter"
             )
-        engine_checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
-        return True
+        _, handle = engine_checkpoint.save(
+            self, save_dir, tag, client_state or {}, save_latest, asynchronous
+        )
+        return True if handle is None else handle
 
     def load_checkpoint(
         self,

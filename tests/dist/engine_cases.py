@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -160,10 +161,13 @@ def all_cases(rank: int, world_size: int, scratch: str) -> dict:
 RESUME_STAGE = {2: 3, 3: 2}  # save with ZeRO-3 on 2 ranks, resume with ZeRO-2 on 3 ranks
 
 
-def save_then_resume(rank: int, world_size: int, save_dir: str, saved_on: int) -> None:
+def save_then_resume(
+    rank: int, world_size: int, save_dir: str, saved_on: int, asynchronous: bool = False
+) -> None:
     """Save after steps 0-1 (on ``saved_on`` ranks); resume and run steps 2-3 here.
 
     The reference replays steps 0-1 with ``saved_on`` ranks' batches, then 2-3 with ours.
+    ``asynchronous``: the engine trains step 2 while the save is written in the background.
     """
     model = build_model("gpt")
     reference = Reference(copy.deepcopy(model), clipping=0.5)
@@ -173,7 +177,12 @@ def save_then_resume(rank: int, world_size: int, save_dir: str, saved_on: int) -
         if world_size == saved_on:
             engine_step(engine, rank, step, world_size, 2)
     if world_size == saved_on:
-        engine.save_checkpoint(save_dir, client_state={"epoch": 7})
+        handle = engine.save_checkpoint(
+            save_dir, client_state={"epoch": 7}, asynchronous=asynchronous
+        )
+        if asynchronous:
+            engine_step(engine, rank, 2, world_size, 2)  # the save holds steps 0-1 only
+            assert handle.result() == os.path.join(save_dir, "global_step2")
         engine.save_checkpoint(save_dir, tag="spare", save_latest=False)
         return
     path, client_state = engine.load_checkpoint(save_dir)
