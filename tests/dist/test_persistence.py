@@ -211,7 +211,6 @@ def test_deepspeed_threshold_applies_only_when_given_at_stage_3() -> None:
     )
     # DeepSpeed's default is per parameter: not applied to whole units
     default = _zero(stage=3)
-    assert default.stage3_param_persistence_threshold == 100_000
     assert default.unit_persistence_threshold == 0
     # stages 1-2 never partition parameters in DeepSpeed: the stage-3 key does nothing
     assert _zero(stage=2, stage3_param_persistence_threshold=10).unit_persistence_threshold == 0

@@ -202,16 +202,15 @@ def test_qgz_reduction_moves_a_fraction_of_fp32(quant: dict, ratio: float, world
 
 # ----------------------------------------------------------------- accuracy
 # Each case: the options, the strategy, the world size, and the faults its check must
-# catch. qwZ alone runs under SHARD_GRAD_OP, where backward keeps forward's weights (under
-# FULL_SHARD it re-gathers full precision: [Note: the ZeRO++ reference]); three ranks put
-# a rank's own unquantized part first, in the middle and last, and force padding.
+# catch ([Note: the ZeRO++ reference]); three ranks put a rank's own unquantized part
+# first, in the middle and last, and force padding.
 QGZ_FAULTS = (Fault.DOUBLE_COUNT, Fault.NO_MEAN, Fault.ZERO_GRADS, Fault.QGZ_UNQUANTIZED)
 EXACT_CASES = {
     "qwz": (QWZ, "SHARD_GRAD_OP", 2, (Fault.QWZ_UNQUANTIZED,), {}),
     "qgz_int8": (QGZ8, "FULL_SHARD", 3, QGZ_FAULTS, {}),
     "qgz_int4": (QGZ4, "FULL_SHARD", 2, (Fault.NO_MEAN, Fault.QGZ_UNQUANTIZED), {}),
     "qwz_qgz": ({"weights": True, "gradients": True}, "SHARD_GRAD_OP", 2, (), {}),
-    "all_three": (ALL_THREE, "FULL_SHARD", 4, (Fault.HPZ_NO_SECONDARY,), {}),
+    "all_three": (ALL_THREE, "FULL_SHARD", 4, (Fault.QWZ_UNQUANTIZED, Fault.NO_MEAN), {}),
     "cpu_offload": (
         {"weights": True, "gradients": True},
         "SHARD_GRAD_OP",

@@ -7,10 +7,10 @@ runs every rank's micro-batch, and the reference applies ZeRO++'s arithmetic its
 end at their layout offsets, zero padding up to ``num_shards`` equal shards):
 
 * qwZ: shard ``r`` of the flat weights is quantized as one row and dequantized, as rank
-  ``r`` sends it; every rank's forward and backward run on those values. (The reference
-  holds only where backward uses the weights forward did: SHARD_GRAD_OP, which keeps the
-  gathered weights to backward, or hpZ, whose secondary shard holds forward's values.
-  Under FULL_SHARD alone backward re-gathers full precision.)
+  ``r`` sends it; every rank's forward and backward run on those values (qwZ quantizes
+  every gather of a unit, backward's and a recompute's too, and hpZ's secondary shard holds
+  the same values, so the reference holds for every strategy; whether backward gathered
+  within the hpZ group is a question of bytes, checked by the traffic tests).
 * qgZ: chunk ``c`` of rank ``r``'s flat gradient is quantized and dequantized for every
   ``r != c`` (the owner keeps its own part unquantized), the parts are added in rank
   order in fp32, then divided by the number of ranks.
@@ -39,7 +39,6 @@ from torch import nn
 
 from shardwrap.base.quantize import BlockCodec, dequantize, quantize
 from shardwrap.comm import quantized
-from shardwrap.core.comm_quant import UnitCommQuant
 
 # A power of two, see [Note: the ZeRO++ reference].
 SGD_LR = 0.25
@@ -180,7 +179,6 @@ class Fault(enum.Enum):
     ZERO_GRADS = "zero_grads"  # qgZ's reduced gradient is zeros
     QGZ_UNQUANTIZED = "qgz_unquantized"  # the gradient reduction ignores its codec
     QWZ_UNQUANTIZED = "qwz_unquantized"  # the weight all-gather ignores its codec
-    HPZ_NO_SECONDARY = "hpz_no_secondary"  # hpZ keeps no secondary shard for backward
 
 
 class _Faulted:
@@ -208,8 +206,8 @@ class _Faulted:
 @contextlib.contextmanager
 def faulty(fault: Fault | None):
     """Run the block with ``fault`` put into shardwrap's ZeRO++ (None: as it is)."""
-    originals = (quantized.reduce_scatter, quantized.all_gather, UnitCommQuant.keep_secondary)
-    reduce_scatter, all_gather, _ = originals
+    originals = (quantized.reduce_scatter, quantized.all_gather)
+    reduce_scatter, all_gather = originals
 
     def faulty_reduce_scatter(comm, out_shard, in_full, **kwargs):
         if fault is Fault.QGZ_UNQUANTIZED:
@@ -225,9 +223,7 @@ def faulty(fault: Fault | None):
         quantized.reduce_scatter = faulty_reduce_scatter
     elif fault is Fault.QWZ_UNQUANTIZED:
         quantized.all_gather = faulty_all_gather
-    elif fault is Fault.HPZ_NO_SECONDARY:
-        UnitCommQuant.keep_secondary = lambda self, flat_full, version: None
     try:
         yield
     finally:
-        quantized.reduce_scatter, quantized.all_gather, UnitCommQuant.keep_secondary = originals
+        quantized.reduce_scatter, quantized.all_gather = originals
