@@ -182,23 +182,6 @@ def whole_model_run() -> tuple[Run, shardwrap.ShardedModule]:
     return _train(torch.compile(sharded), dist.get_rank()), sharded
 
 
-def max_difference(sharded: shardwrap.ShardedModule, reference: nn.Module) -> float:
-    """The largest elementwise difference between the shards and the reference's slices."""
-    worst = 0.0
-    ref = dict(reference.named_parameters())
-    for unit in sharded.units:
-        handle = unit.handle
-        if handle is None:
-            continue
-        pieces = handle.layout.pieces(handle.shard_comm.rank)
-        for info, piece, shard in zip(handle.layout.params, pieces, handle.shard_params):
-            full = ref[info.fqn].detach().reshape(-1)
-            expected = full if handle.num_shards == 1 else full[piece.param_start : piece.param_end]
-            diff = (shard.detach().reshape(-1) - expected).abs()
-            worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-    return worst
-
-
 def clip_shardwrap(model: shardwrap.ShardedModule) -> None:
     model.clip_grad_norm_(CLIP_NORM)
 

@@ -112,6 +112,23 @@ def check_shards(
             )
 
 
+def max_shard_difference(sharded: shardwrap.ShardedModule, reference: nn.Module) -> float:
+    """The largest elementwise difference between the shard views and their reference slices."""
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for unit in sharded.units:
+        handle = unit.handle
+        if handle is None:
+            continue
+        pieces = handle.layout.pieces(handle.shard_comm.rank)
+        for info, piece, shard in zip(handle.layout.params, pieces, handle.shard_params):
+            full = ref[info.fqn].detach().reshape(-1)
+            expected = full if handle.num_shards == 1 else full[piece.param_start : piece.param_end]
+            if expected.numel():
+                worst = max(worst, float((shard.detach().reshape(-1) - expected).abs().max()))
+    return worst
+
+
 def train_and_compare(rank: int, world_size: int, case: Case) -> list[float]:
     model = build_model(case.model)
     for name in case.frozen:

@@ -18,7 +18,7 @@ import shardwrap
 from tests.dist import compile_cases as cc
 from tests.dist import harness
 from tests.dist.harness import STRATEGIES, run_ranks
-from tests.dist.parity import check_shards
+from tests.dist.parity import check_shards, max_shard_difference
 
 WORLD_SIZE = 2
 COMPILE_TIMEOUT_S = 900.0
@@ -52,10 +52,10 @@ def _all_cases(rank: int, world_size: int) -> dict:
     for name, (run, sharded) in runs.items():
         check_shards(sharded, fsdp2_params, exact=True)
         results[name] = run
-        results[f"{name}_vs_eager"] = cc.max_difference(sharded, fsdp2_eager_params)
+        results[f"{name}_vs_eager"] = max_shard_difference(sharded, fsdp2_eager_params)
     whole, sharded = cc.whole_model_run()
     results["whole"] = whole
-    results["whole_vs_eager"] = cc.max_difference(sharded, fsdp2_eager_params)
+    results["whole_vs_eager"] = max_shard_difference(sharded, fsdp2_eager_params)
     results.update(_features(rank, runs["FULL_SHARD"]))
     return {name: _portable(value) for name, value in results.items()}
 
@@ -80,8 +80,8 @@ def _features(rank: int, full_shard) -> dict:
     results["no_sync"] = (run.losses, reference.losses)
     reference, reference_params = cc.torch_fsdp2(True, steps=cc.Steps(clip=cc.clip_torch))
     run, sharded = cc.shardwrap_run("FULL_SHARD", True, steps=cc.Steps(clip=cc.clip_shardwrap))
-    results["clip_vs_torch"] = cc.max_difference(sharded, reference_params)
-    results["clip_moved"] = cc.max_difference(sharded, cc.torch_fsdp2(True)[1])
+    results["clip_vs_torch"] = max_shard_difference(sharded, reference_params)
+    results["clip_moved"] = max_shard_difference(sharded, cc.torch_fsdp2(True)[1])
     run, sharded = full_shard
     for name, compiled in (("ledger_wire_compiled", True), ("ledger_wire_eager", False)):
         results[name] = cc.ledger_and_wire(cc.shardwrap_model("FULL_SHARD", compiled), rank)

@@ -21,6 +21,7 @@ from tests.dist.parity import (
     concat,
     loss_for,
     make_optimizer,
+    max_shard_difference,
     wrap_case,
 )
 
@@ -97,7 +98,7 @@ def _bf16_run(rank: int, world_size: int, strategy: str) -> list[float]:
         tol = {"rtol": 0.0, "atol": 0.0} if exact else BF16_LOSS_TOL
         torch.testing.assert_close(mean / world_size, ref_loss.detach().float(), **tol)
         check_shards(sharded, reference.master, exact=exact, tol=BF16_PARAM_TOL)
-        diffs.append(_max_diff(sharded, reference.master))
+        diffs.append(max_shard_difference(sharded, reference.master))
     ref = dict(reference.master.named_parameters())
     with sharded.summon_full_params(sharded, writeback=False):  # shows the fp32 master values
         for name, param in sharded.named_parameters():
@@ -118,22 +119,6 @@ def _check_master_fp32(sharded, optim) -> None:
             assert p.grad is None or p.grad.dtype == torch.float32
     for name, buffer in sharded.named_buffers():
         assert buffer.dtype == torch.bfloat16, name
-
-
-def _max_diff(sharded, master) -> float:
-    ref = dict(master.named_parameters())
-    worst = 0.0
-    for unit in sharded.units:
-        handle = unit.handle
-        if handle is None:
-            continue
-        pieces = handle.layout.pieces(handle.shard_comm.rank)
-        for info, piece, shard in zip(handle.layout.params, pieces, handle.shard_params):
-            full = ref[info.fqn].detach().reshape(-1)
-            expected = full if handle.num_shards == 1 else full[piece.param_start : piece.param_end]
-            if expected.numel():
-                worst = max(worst, float((shard.detach().reshape(-1) - expected).abs().max()))
-    return worst
 
 
 def _step_bytes(world_size: int, rank: int, policy) -> dict:
