@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import Schedule1F1B
 
+from ..build.root import root_of
 from ..comm import collectives, launch
 from ..comm.collectives import Communicator
 from ..features.grad_clip import sharded_grad_norm
@@ -175,7 +176,8 @@ class PipelineEngine(ShardedEngine):
 
     def _clip(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage's gradients, as the whole model's would be."""
-        total, grads = sharded_grad_norm(self.module._runtime, self.module.parameters(), 2.0)
+        runtime = root_of(self.module).runtime
+        total, grads = sharded_grad_norm(runtime, self.module.parameters(), 2.0)
         squared = total.pow(2).reshape(1)
         self._pp_comm.all_reduce(squared, purpose="grad_norm").wait()
         norm = squared.sqrt()[0]
