@@ -18,7 +18,7 @@ from .build.compose import build_root
 from .build.fsdp_units import FSDP1Attributes, FSDPMeta
 from .build.nesting import check_not_wrapped
 from .build.root import RootField, ShardRoot, is_root
-from .build.setup import resolve_ignored
+from .build.sharding import resolve_ignored
 from .build.unused_args import note_unused_args
 from .build.wrap_options import WrapOptions
 from .ckpt import fsdp1 as _fsdp1

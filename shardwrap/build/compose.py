@@ -18,13 +18,13 @@ from ..offload.host import host_staging_for
 from ..runtime.schedule import Schedule
 from ..runtime.step import StepRuntime
 from . import casts as precision
-from .comm_quant import quantize_comms
 from .comms import root_comms
 from .fsdp_units import as_fsdp_unit
 from .nesting import absorb_nested, check_not_wrapped
 from .root import ShardRoot, add_root
-from .setup import check_offload_device, disk_store_for, shard_root
+from .sharding import check_offload_device, disk_store_for, shard_root
 from .wrap_options import WrapOptions
+from .zeropp_units import quantize_comms
 
 
 def build_root(module: nn.Module, options: WrapOptions, *, holder: nn.Module) -> ShardRoot:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..base.validate import check_bool
 from ..base.warn_once import warn_once
 from ..build.root import ShardRoot
-from ..build.setup import check_bucket_bytes
+from ..build.sharding import check_bucket_bytes
 
 
 def set_reshard_after_forward(root: ShardRoot, reshard: bool, *, root_only: bool = True) -> None:

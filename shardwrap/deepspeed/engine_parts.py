@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..build.root import is_root
-from ..build.setup import on_accelerator
+from ..build.sharding import on_accelerator
 from ..build.wrap_options import WrapOptions
 from ..options import CommQuantization, CPUOffload, DiskOffload, MixedPrecision
 from ..planner.estimate import STAGE_STRATEGIES
