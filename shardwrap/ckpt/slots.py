@@ -127,7 +127,7 @@ def model_slots(model: nn.Module) -> ModelSlots:
     world_comm = world_communicator(model)
     slots: list[ParamSlot] = []
     by_param: dict[int, ParamSlot] = {}
-    handles = [u.handle for u in root.units if u.handle is not None]
+    handles = [u.handle for u in model.units if u.handle is not None]
     lead = _tp_lead(handles)
     # The first data-parallel rank of its stage, and of its tensor-parallel replicas.
     leads = lead and root.runtime.world_comm.rank == 0
