@@ -26,8 +26,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .build.root import is_root
 from .ckpt import dcp
-from .runtime import registry
 from .wrap import FullyShardedDataParallel
 
 _DSD = "torch.distributed.checkpoint.state_dict"
@@ -44,7 +44,7 @@ _ORIGINALS: dict[tuple[str, str], Any] = {}
 
 
 def _holds_shardwrap(model: Any) -> bool:
-    return any(registry.is_root(m) for m in model.modules())
+    return any(is_root(m) for m in model.modules())
 
 
 def _dispatch(name: str, ours: Any) -> Any:

@@ -50,19 +50,20 @@ from ..comm.checks import digest, digest_words, raise_disagreement, words_agree
 from ..comm.collectives import Communicator
 from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle
-from . import registry
 from .schedule import Schedule
 
 NUM_DIGEST_WORDS = 4  # appended to the presence vote: see [Note: rank agreement]
+# Runtimes whose ZeRO-1 optimizer hooks are live (not in the registry: it imports this module).
+_STEPPING: weakref.WeakSet[StepRuntime] = weakref.WeakSet()
 
 
 def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
     """Reduce unreduced ZeRO-1 gradients of every root that owns ``optimizer``'s parameters.
 
-    For code holding only an optimizer (a grad scaler): the registry knows the runtimes
+    For code holding only an optimizer (a grad scaler): this module knows the runtimes
     whose optimizer hooks are live.
     """
-    for runtime in registry.stepping_runtimes():
+    for runtime in list(_STEPPING):
         if runtime.sync_grads and runtime._owns(optimizer):
             runtime.reduce_deferred_grads()
 
@@ -123,7 +124,7 @@ class StepRuntime:
         self._install_step_post_hook()
         if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
             self._install_optimizer_hooks()
-            registry.add_stepping(self)
+            _STEPPING.add(self)
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
@@ -327,14 +328,14 @@ class StepRuntime:
             handle.note_shard_updated()
 
     def remove_hooks(self) -> None:
-        registry.discard_stepping(self)
         for h in self._step_hooks:
             h.remove()
         self._step_hooks.clear()
+        _STEPPING.discard(self)
 
     def __del__(self) -> None:
-        # No module globals here: at interpreter exit this module's may be gone already (the
-        # registry, imported first, outlives it and drops the last runtimes).
+        # At interpreter exit this module's globals may be gone already (``_STEPPING``,
+        # reached last in ``remove_hooks``): the hooks are removed before it is.
         try:
             self.remove_hooks()
         except Exception:

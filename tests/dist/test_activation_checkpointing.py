@@ -14,6 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from shardwrap.build.root import root_of
 from tests import models
 from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
@@ -124,7 +125,7 @@ def test_activation_checkpointing_parity(world_size):
 def _prefetch_worker(rank: int, world_size: int, mode: str) -> list[str]:
     """Units the schedule prefetched during the second step's backward."""
     sharded, _ = _prepare(mode, "FULL_SHARD")
-    schedule = sharded._runtime.schedule
+    schedule = root_of(sharded).runtime.schedule
     prefetched: list[str] = []
     issue = schedule._prefetch
 
