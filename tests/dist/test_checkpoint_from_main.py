@@ -137,6 +137,34 @@ def test_a_checkpoint_written_by_main_loads_exactly(world_size):
     assert run_ranks(_load_and_compare, world_size) == [[]] * world_size
 
 
+def _files(folder: str) -> dict[str, bytes]:
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+
+def test_a_save_writes_what_main_wrote(tmp_path):
+    """The same training and save, by today's code: the same files, byte for byte, once
+    the save id (drawn at random) is main's (the on-disk form did not change; the files'
+    digests, which cover the save id, follow from their bytes).
+
+    Negative control, seen once: a shard file's piece key renamed (``param/`` to
+    ``params/`` in ``piece_key``) fails here (the loads above read keys from the index)."""
+    run_ranks(_save_fixture, SAVED_WORLD_SIZE, str(tmp_path))
+    new, old = _files(str(tmp_path / "checkpoint")), _files(CHECKPOINT)
+    new_id, old_id = (next(iter(f))[:16].encode() for f in (new, old))
+    assert [n.replace(new_id.decode(), old_id.decode()) for n in new] == list(old)
+    for (name, data), want in zip(new.items(), old.values(), strict=True):
+        if name.endswith(".run.json"):  # its sha256 covers the save id: compare payloads
+            got = json.loads(data.replace(new_id, old_id))["payload"]
+            assert got == json.loads(want)["payload"], name
+        elif name == "index.json":  # the files' digests cover the save id: their sizes
+            got, expected = json.loads(data.replace(new_id, old_id)), json.loads(want)
+            sizes = [{n: f["size"] for n, f in i.pop("files").items()} for i in (got, expected)]
+            assert got == expected and sizes[0] == sizes[1]
+            assert list(json.loads(data)) == list(json.loads(want)), "the keys in order"
+        else:
+            assert data.replace(new_id, old_id) == want, name
+
+
 def _regenerate(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
