@@ -82,7 +82,7 @@ def save_checkpoint(
     staged = guarded(lambda: _stage_rank(SaveContext(save_id, slots, optimizer, sampler), saver))
     if saver is not None:
         extra = json.loads(json.dumps(extra, allow_nan=True))  # as of now, not of the commit
-    job = Commit(root, save_id, slots, optimizer, extra, on_commit)
+    job = SaveJob(root, save_id, slots, optimizer, extra, on_commit)
     finish = functools.partial(_finish_save, job, staged)
     if saver is None:
         finish(comm)
@@ -99,7 +99,7 @@ class Staged:
 
 
 @dataclass(frozen=True, slots=True)
-class Commit:
+class SaveJob:
     """What the end of a save needs besides the staged state."""
 
     root: str
@@ -120,7 +120,7 @@ def _stage_rank(ctx: SaveContext, saver) -> Staged:
     return Staged(saved, part)
 
 
-def _finish_save(job: Commit, staged: Outcome[Staged], comm: Communicator) -> None:
+def _finish_save(job: SaveJob, staged: Outcome[Staged], comm: Communicator) -> None:
     """Write this rank's files, gather the reports on ``comm``, commit on its rank 0."""
     rank = job.slots.world_comm.rank
     report = RankReport(staged.error)
@@ -134,11 +134,12 @@ def _finish_save(job: Commit, staged: Outcome[Staged], comm: Communicator) -> No
     gathered = comm.gather_object(report.to_json(), purpose="checkpoint")
     error = report.error
     if comm.rank == 0:
-        error = _commit_unless_failed(job, gathered, staged.value)
+        with gc_paused():  # millions of pieces at scale: see base/gc_pause.py
+            error = _commit_unless_failed(job, gathered, staged.value)
     settle(comm, "save", job.root, error, undo)
 
 
-def _commit_unless_failed(job: Commit, gathered: list, own: Staged | None) -> str | None:
+def _commit_unless_failed(job: SaveJob, gathered: list, own: Staged | None) -> str | None:
     """World rank 0: the ranks' errors, or the index written (and its error, if any)."""
     parsed = guarded(lambda: [RankReport.from_json(r, raw) for r, raw in enumerate(gathered)])
     if parsed.value is None:
@@ -154,8 +155,7 @@ def _commit_unless_failed(job: Commit, gathered: list, own: Staged | None) -> st
         if job.on_commit is not None:
             job.on_commit()
 
-    with gc_paused():  # millions of pieces at scale: see base/gc_pause.py
-        return guarded(commit).error
+    return guarded(commit).error
 
 
 def _drop_uncommitted(root: str, save_id: str, names: list[str | None]) -> None:

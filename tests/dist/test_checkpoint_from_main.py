@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,7 +139,7 @@ def test_a_checkpoint_written_by_main_loads_exactly(world_size):
 
 
 def _files(folder: str) -> dict[str, bytes]:
-    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
 
 
 def test_a_save_writes_what_main_wrote(tmp_path):
