@@ -33,7 +33,7 @@ class ScheduleTuning:
         """
         value = check_bool("reshard", reshard)
         for unit in self._units[:1] if check_bool("root_only", root_only) else self._units:
-            unit.reshard_after_forward_override = value
+            unit.set_reshard_after_forward(value)
 
     def set_reduce_bucket_size(self, num_bytes: int) -> None:
         """Fuse the gradient reductions of consecutive units up to ``num_bytes`` (0: off).

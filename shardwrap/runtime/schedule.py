@@ -1,5 +1,9 @@
 """Overlap: which all-gather to issue ahead, and how many reductions may be in flight.
 
+The schedule issues prefetches and reductions and answers the step runtime's questions
+(what stays gathered after forward, which units the end of backward settles); it never
+waits for a gather to show it, and never frees one (runtime/step.py does both).
+
 [Note: prefetch and overlap]
 Collectives on gloo run on the process group's own threads and on CUDA on NCCL's stream,
 so an all-gather issued before it is needed, and a reduction waited for only later, both
@@ -242,34 +246,23 @@ class Schedule:
         self.flush_bucket()
         self.finish_reduces()
 
-    def end_step(self, forward_order: list[Unit], *, last: bool = True, free: bool = True) -> None:
-        """Remember this step's order; settle reductions and prefetches nobody used.
+    def end_step(self, forward_order: list[Unit], *, last: bool = True) -> list[Unit]:
+        """Remember this step's order, settle reductions; the units the step runtime then
+        settles (lands the gathers nobody used, frees by its rule).
 
         ``last=False``: a backward that does not end a microbatched step ([Note:
-        microbatched steps] in runtime/step.py): reductions settle, gathers in flight land
-        and stay, the order is not replaced. ``free=False`` (``set_reshard_after_backward(
-        False)``): gathered units stay gathered.
+        microbatched steps] in runtime/step.py): reductions settle, the order is not
+        replaced, and only this step's units are settled.
         """
         self.flush_bucket()
         self.finish_reduces()
         if not last:
-            for unit in forward_order:
-                if unit.handle is not None and unit.handle.gather_in_flight:
-                    unit.handle.unshard()
-                    unit.handle.reshard(free=False)
-            return
+            return list(forward_order)
         self.bucket_slots.end_step()
         # A bucket may have gathered units from the last order that this step did not run.
         touched = list(dict.fromkeys([*forward_order, *self.previous_forward_order]))
         self.previous_forward_order = list(forward_order)
-        for unit in touched:
-            handle = unit.handle
-            if handle is not None and handle.gather_in_flight:
-                handle.unshard()
-                handle.reshard(free=unit.strategy.free_after_backward)
-            elif handle is not None and unit.strategy.free_after_backward and free:
-                if handle.full_storage_bytes:  # gathered by a bucket, then not used this step
-                    handle.reshard(free=True)
+        return touched
 
 
 def _not_run_yet(units: list[Unit]) -> list[Unit]:
