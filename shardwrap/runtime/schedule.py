@@ -1,8 +1,9 @@
 """Overlap: which all-gather to issue ahead, and how many reductions may be in flight.
 
-The schedule issues prefetches and reductions and answers the step runtime's questions
-(what stays gathered after forward, which units the end of backward settles); it never
-waits for a gather to show it, and never frees one (runtime/step.py does both).
+The schedule answers the step runtime's questions (what to prefetch after a unit, what a
+gather takes along, what stays gathered after forward, which units the end of backward
+settles) and owns the reductions in flight (issued, bucketed, waited for as late as
+memory allows); it never gathers, shows or frees parameters (runtime/step.py does).
 
 [Note: prefetch and overlap]
 Collectives on gloo run on the process group's own threads and on CUDA on NCCL's stream,
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..core.grad_buffers import PlanBuffers, ScratchPool
 from ..core.unit import TrainingState, Unit
@@ -86,6 +88,14 @@ MAX_SHARDED_REDUCES_IN_FLIGHT = 1
 # ``set_reduce_bucket_size`` says otherwise: DDP's ``bucket_cap_mb``. Sharded units reduce
 # alone by default. See [Note: default reduce buckets] in runtime/reduce_bucket.py.
 DEFAULT_IN_PLACE_BUCKET_BYTES = 25 << 20
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """A gather to issue ahead: ``unit``'s, fused with those of ``upcoming`` that fit a bucket."""
+
+    unit: Unit
+    upcoming: list[Unit]
 
 
 class Schedule:
@@ -112,20 +122,20 @@ class Schedule:
         self.bucket_slots = PlanBuffers()
 
     # ------------------------------------------------------------- prefetch
-    def after_pre_forward(self, unit: Unit) -> None:
-        if not self.forward_prefetch:
-            return
+    def prefetches_after_forward(self, unit: Unit) -> list[Prefetch]:
+        """The gathers to issue ahead once ``unit`` is gathered for forward, in order."""
         order = self.previous_forward_order
-        if unit in order:
-            position = order.index(unit)
-            after_next = _not_run_yet(order[position + 2 :])
-            if position + 1 < len(order):
-                self._prefetch(order[position + 1], after_next)
-            if not unit.reshard_after_forward:  # [Note: prefetching units kept to backward]
-                for later in after_next:
-                    if later.reshard_after_forward:
-                        break
-                    self._prefetch(later, [])
+        if not self.forward_prefetch or unit not in order:
+            return []
+        position = order.index(unit)
+        after_next = _not_run_yet(order[position + 2 :])
+        plan = [Prefetch(order[position + 1], after_next)] if position + 1 < len(order) else []
+        if not unit.reshard_after_forward:  # [Note: prefetching units kept to backward]
+            for later in after_next:
+                if later.reshard_after_forward:
+                    break
+                plan.append(Prefetch(later, []))
+        return plan
 
     def keeps_gathered_after_forward(self, unit: Unit) -> bool:
         """Whether ``unit`` skips its reshard after forward though its strategy frees then.
@@ -135,42 +145,33 @@ class Schedule:
         order = self.previous_forward_order
         return bool(order) and order[-1] is unit and unit.reshard_after_forward_override is None
 
-    def after_pre_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            self._prefetch_next_backward(unit, execution_order)
-
-    def after_post_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            self._prefetch_next_backward(unit, execution_order)
-
-    def _prefetch_next_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
+    def prefetches_in_backward(
+        self, unit: Unit, execution_order: list[Unit], *, done: bool
+    ) -> list[Prefetch]:
+        """The gather to issue ahead once ``unit`` is gathered for backward (``done=False``:
+        ``BACKWARD_PRE``) or its backward is over (``done=True``: ``BACKWARD_POST``)."""
+        wanted = BackwardPrefetch.BACKWARD_POST if done else BackwardPrefetch.BACKWARD_PRE
+        if self.backward_prefetch is not wanted:
+            return []
         upcoming = _reached_by_backward(_backward_next(unit, execution_order))
-        if upcoming:
-            self._prefetch(upcoming[0], upcoming[1:])
-
-    def _prefetch(self, unit: Unit, upcoming: list[Unit]) -> None:
-        if unit.handle is not None:
-            self._gather_bucket(unit, upcoming)  # the unit alone when no bucket forms
-            unit.handle.start_unshard()
+        return [Prefetch(upcoming[0], upcoming[1:])] if upcoming else []
 
     # ------------------------------------------------------ all-gather buckets
-    def before_forward_unshard(self, unit: Unit) -> None:
-        """Gather ``unit`` with the units that followed it last step (if bucketing)."""
+    def forward_upcoming(self, unit: Unit) -> list[Unit]:
+        """The units a forward gather of ``unit`` may take along: those that followed it."""
         order = self.previous_forward_order
-        if unit in order:
-            self._gather_bucket(unit, _not_run_yet(order[order.index(unit) + 1 :]))
+        return _not_run_yet(order[order.index(unit) + 1 :]) if unit in order else []
 
-    def before_backward_unshard(self, unit: Unit, execution_order: list[Unit]) -> None:
-        """Gather ``unit`` with the units whose backward comes next (if bucketing)."""
-        self._gather_bucket(unit, _reached_by_backward(_backward_next(unit, execution_order)))
+    def backward_upcoming(self, unit: Unit, execution_order: list[Unit]) -> list[Unit]:
+        """The units a backward gather of ``unit`` may take along: whose backward is next."""
+        return _reached_by_backward(_backward_next(unit, execution_order))
 
-    def _gather_bucket(self, unit: Unit, upcoming: list[Unit]) -> None:
+    def bucket_members(self, unit: Unit, upcoming: list[Unit]) -> list[FlatParamHandle]:
+        """The handles ``unit``'s gather fuses with ``upcoming``'s (one or none: it goes alone)."""
         if self.all_gather_bucket_bytes <= 0 or not gather_bucket.needs_gather(unit.handle):
-            return
+            return []
         handles = (u.handle for u in upcoming if u.handle is not None)
-        members = gather_bucket.collect(unit.handle, handles, self.all_gather_bucket_bytes)
-        if len(members) > 1:
-            gather_bucket.FusedGather(members)  # every member now has its gather in flight
+        return gather_bucket.collect(unit.handle, handles, self.all_gather_bucket_bytes)
 
     # ----------------------------------------------------------- reductions
     def reduce_after_backward(self, unit: Unit, execution_order: list[Unit]) -> None:

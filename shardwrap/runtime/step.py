@@ -48,8 +48,9 @@ from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle
 from . import registry
 from .free_rule import Moment, Release, release_rule
+from .gather_bucket import FusedGather
 from .presence import NUM_DIGEST_WORDS, PresenceVote, run_entries, start_vote
-from .schedule import Schedule
+from .schedule import Prefetch, Schedule
 
 __all__ = ["NUM_DIGEST_WORDS", "StepRuntime", "reduce_deferred_grads_for", "regather"]
 
@@ -128,9 +129,9 @@ class StepRuntime:
         self.record_forward(unit)
         unit.enter_forward()
         if unit.handle is not None:
-            self.schedule.before_forward_unshard(unit)
+            self._start_gather(unit, self.schedule.forward_upcoming(unit))
             unit.handle.unshard()
-        self.schedule.after_pre_forward(unit)
+        self._prefetch_all(self.schedule.prefetches_after_forward(unit))
         if unit.state is TrainingState.IDLE:
             unit.start_forward()
             unit.set_expects_backward(False)
@@ -163,10 +164,14 @@ class StepRuntime:
             unit.start_forward()
         if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
             if unit.handle is not None:
-                self.schedule.before_backward_unshard(unit, self.execution_order)
+                self._start_gather(
+                    unit, self.schedule.backward_upcoming(unit, self.execution_order)
+                )
                 unit.handle.unshard()
             unit.start_backward()
-            self.schedule.after_pre_backward(unit, self.execution_order)
+            self._prefetch_all(
+                self.schedule.prefetches_in_backward(unit, self.execution_order, done=False)
+            )
 
     def queue_finalize(self) -> None:
         if not self._finalize_queued:
@@ -211,7 +216,27 @@ class StepRuntime:
             self.schedule.reduce_after_backward(unit, self.execution_order)
         self._release_at(Moment.POST_BACKWARD, unit)
         unit.finish_backward()
-        self.schedule.after_post_backward(unit, self.execution_order)
+        self._prefetch_all(
+            self.schedule.prefetches_in_backward(unit, self.execution_order, done=True)
+        )
+
+    # ------------------------------------------------------------ gathers ahead
+    def _prefetch_all(self, plan: list[Prefetch]) -> None:
+        for prefetch in plan:
+            self._prefetch(prefetch.unit, prefetch.upcoming)
+
+    def _prefetch(self, unit: Unit, upcoming: list[Unit]) -> None:
+        """Issue ``unit``'s all-gather ahead of use ([Note: prefetch and overlap])."""
+        if unit.handle is not None:
+            self._start_gather(unit, upcoming)  # the unit alone when no bucket forms
+            unit.handle.start_unshard()
+
+    def _start_gather(self, unit: Unit, upcoming: list[Unit]) -> None:
+        """Issue one gather for ``unit`` and those of ``upcoming`` it fuses with, if any
+        ([Note: all-gather buckets]); otherwise leave ``unit`` to gather alone."""
+        members = self.schedule.bucket_members(unit, upcoming)
+        if len(members) > 1:
+            FusedGather(members)  # every member now has its gather in flight
 
     def _settle(self, unit: Unit) -> None:
         """End of backward: land a gather nobody waited for (a prefetch or a bucket's), then
