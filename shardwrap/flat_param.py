@@ -38,7 +38,7 @@ default choice of some frameworks on GPUs) write parameters without bumping thei
 counters, so a gathered copy kept across the step (ZeRO-1, a low-precision or device copy
 of a one-shard unit) looked current and the next forward computed with the parameters of
 the step before. Every optimizer step over a handle's shard views therefore also counts
-as an update: the root's optimizer step post-hook calls :meth:`note_shard_updated`, and
+as an update: the optimizer's step post-hook calls :meth:`note_shard_updated`, and
 the gathered copy is current only when both the counter and the number of such steps are
 what they were when it was gathered (:attr:`shard_version`).
 """
@@ -149,7 +149,7 @@ class FlatParamHandle:
         self.has_trainable_params = any(self.wrapped_requires_grad)
         self.grads = self._make_grads()
         self.comm_quant: UnitCommQuant | None = None  # ZeRO++ ([Note: ZeRO++ in a unit])
-        self.reshard(free=True)
+        self._to_sharded(free=True)  # a handle starts sharded, its gathered buffer freed
 
     def _place_tensors(
         self, params: list[nn.Parameter], shard_allocator: ShardAllocator | None
@@ -161,7 +161,6 @@ class FlatParamHandle:
             for info, param in zip(layout.params, params, strict=True):
                 flat_init[info.offset : info.end].copy_(param.detach().reshape(-1))
         start, end = layout.shard_range(self.shard_comm.rank)
-        # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
         flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
         if shard_allocator is not None:  # the shard lives elsewhere (DiskOffload: a mapped file)
             placed = shard_allocator(self.unit_name, layout.shard_numel, dtype)
@@ -171,7 +170,6 @@ class FlatParamHandle:
             flat_shard = placed
             if self.num_shards == 1 and self.host_staging is None:
                 flat_init = placed
-        # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
         flat_full = (
             flat_init  # released by the constructor's reshard when separate_full
             if self.compute_dtype == dtype
@@ -267,7 +265,7 @@ class FlatParamHandle:
         self._num_shard_updates += 1
 
     def unshard(self) -> None:
-        """Gather the full parameters (if stale) and show them on the module."""
+        """Gather the full parameters (if stale), show them (only runtime/step.py calls it)."""
         if self.state is ShardedState.UNSHARDED and self.full_is_current:
             return
         self.start_unshard()
@@ -363,7 +361,10 @@ class FlatParamHandle:
         self._pending = _PendingGather(work, version, guard, None, staged)
 
     def reshard(self, *, free: bool) -> None:
-        """Show the shard views; release the gathered storage when ``free``."""
+        """Show the shard views; free the gathered storage if ``free`` (runtime/step.py's call)."""
+        self._to_sharded(free=free)
+
+    def _to_sharded(self, *, free: bool) -> None:
         self.show_params(self.shard_params)
         self.state = ShardedState.SHARDED
         if not self.separate_full:  # the module computed on the shard (DiskOffload: a file)

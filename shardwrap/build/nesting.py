@@ -62,9 +62,7 @@ def absorb_nested(module: nn.Module, *, policy: PolicyCallable | None = None) ->
                 units = nested.units
                 nested.runtime.remove_hooks()
                 for unit in units:
-                    unit.name = f"{path}.{unit.name}" if unit.name else path
-                    if unit.handle is not None:
-                        unit.handle.rename(path)
+                    unit.rename(path)
                 adopted.extend(units)
                 parent._modules[child_name] = nested.module
     return adopted

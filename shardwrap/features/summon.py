@@ -24,6 +24,7 @@ from ..comm import collectives
 from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle, ShardedState
 from ..runtime import registry
+from ..runtime.step import regather
 
 
 def units_of(module: nn.Module, recurse: bool) -> list[Unit]:
@@ -148,7 +149,7 @@ class _Summon:
         unsharded = handle.state is ShardedState.UNSHARDED
         handle.show_params(handle.full_params if unsharded else handle.shard_params)
         if unsharded and self.writeback:
-            handle.unshard()  # the shown full views must reflect the edits
+            regather(handle)  # the shown full views must reflect the edits
 
 
 def _attach_full_grads(handle: FlatParamHandle, shown: list[nn.Parameter]) -> None:

@@ -22,7 +22,7 @@ def set_reshard_after_forward(root: ShardRoot, reshard: bool, *, root_only: bool
     """
     value = check_bool("reshard", reshard)
     for unit in root.units[:1] if check_bool("root_only", root_only) else root.units:
-        unit.reshard_after_forward_override = value
+        unit.set_reshard_after_forward(value)
 
 
 def set_reduce_bucket_size(root: ShardRoot, num_bytes: int) -> None:

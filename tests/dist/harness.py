@@ -554,8 +554,8 @@ class _Task:
         gc.collect()
         for name, hooks in _global_hooks().items():
             for key in set(hooks) - self.hooks[name]:
-                # A closure (a runtime's or an offload's) is for one model; a module-level
-                # function is installed once per process (optimizer_guard's) and stays.
+                # A closure is for one model; a module-level function (the optimizer-step
+                # dispatcher's) removes itself with the last model that needs it.
                 if "<locals>" in getattr(hooks[key], "__qualname__", "<locals>"):
                     del hooks[key]
         unclean += self._check_registries()
