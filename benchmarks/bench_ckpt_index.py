@@ -56,7 +56,7 @@ from shardwrap.ckpt.format import (  # noqa: E402
     shard_file_name,
 )
 from shardwrap.ckpt.kinds import save_all  # noqa: E402
-from shardwrap.ckpt.records import (  # noqa: E402
+from shardwrap.ckpt.piece_records import (  # noqa: E402
     PieceRecord,
     RankReport,
     SaveContext,

@@ -9,7 +9,7 @@ reads only the pieces that overlap them.
 This module is the face; the work is in ``ckpt/``, by concept: saving ``save.py`` (the
 index's commit ``commit.py``, in the background ``async_save.py``), loading ``loading.py``
 (reading ``reader.py``), what is saved, by state kind ([Note: state kinds] in
-``records.py``; each kind's save and load: ``kinds.py``, the run state ``run_state.py``),
+``piece_records.py``; each kind's save and load: ``kinds.py``, the run state ``run_state.py``),
 optimizer state ``optim_state.py``, state dicts ``state_dict.py``, one-file export
 ``consolidate.py``, Hugging Face loading ``pretrained.py``.
 """

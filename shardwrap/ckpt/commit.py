@@ -25,7 +25,7 @@ from .format import (
 )
 from .fragments import Described, Fragment
 from .optim_state import optimizer_class_name
-from .records import RankReport, StateKind
+from .piece_records import RankReport, StateKind
 from .slots import ModelSlots
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from ..comm.json_values import broadcast_json, gather_json
 from .format import CheckpointError, dtype_name
 from .optim_state import SHARDED, VALUE, hyperparameters, optimizer_slots, state_kind
-from .records import RankReport, SentFragment
+from .piece_records import RankReport, SentFragment
 from .slots import ModelSlots
 
 

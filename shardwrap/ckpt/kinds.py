@@ -18,7 +18,7 @@ import torch
 from .format import CheckpointError, TensorEntry, dtype_name
 from .matching import check_entry
 from .optim_state import SCALAR, SHARDED, build_load_dict, check_fits, optimizer_slots, state_kind
-from .records import (
+from .piece_records import (
     KindLoad,
     LoadContext,
     PieceRecord,

@@ -5,7 +5,7 @@
 all-reduce of whether any rank failed) before the next starts:
 
 1. *check*: the index against the model (names, shapes, dtypes), then every state kind's
-   check ([Note: state kinds] in records.py: the optimizer's settings, the run files) and
+   check ([Note: state kinds] in piece_records.py: the optimizer's settings, the run files) and
    every range this rank will copy, verified by the reader as its copy would verify it:
    files listed, inside the folder, present at their size, keys, dtypes and lengths from
    the files' headers, and the checksums of every chunk ([Note: checked before read] in
@@ -35,8 +35,8 @@ from .format import read_index
 from .kinds import KINDS
 from .matching import check_fits_model, match_names
 from .outcome import guarded, settle
+from .piece_records import KindLoad, LoadContext, StateKind
 from .reader import CheckpointReader
-from .records import KindLoad, LoadContext, StateKind
 from .run_state import check_sampler
 from .slots import ModelSlots, model_slots
 

@@ -36,7 +36,7 @@ import torch
 
 from ..base.validate import unique_keys
 from .format import CheckpointError, write_atomic
-from .records import KindLoad, LoadContext, PlannedRead, SaveContext, Saved
+from .piece_records import KindLoad, LoadContext, PlannedRead, SaveContext, Saved
 
 META_KEY = "run_state"
 RUN_FORMAT = "shardwrap-run-state"

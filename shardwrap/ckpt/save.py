@@ -1,6 +1,6 @@
 """``save_checkpoint``: every rank writes what it owns, then world rank 0 commits the index.
 
-Each rank stages what every state kind saves ([Note: state kinds] in records.py; the
+Each rank stages what every state kind saves ([Note: state kinds] in piece_records.py; the
 table in kinds.py): pieces for its safetensors file (read lazily while writing, or copied
 to host buffers first for an asynchronous save), files of its own (the run state's) and
 header records. It writes them, then reports (:class:`~.records.RankReport`, as JSON) to
@@ -32,7 +32,7 @@ from .commit import commit_index
 from .format import CheckpointError, FileEntry, read_index, shard_file_name, write_atomic
 from .kinds import save_all
 from .outcome import Outcome, agree_on_id, check_json, guarded, settle
-from .records import RankReport, SaveContext, Saved, SentFragment
+from .piece_records import RankReport, SaveContext, Saved, SentFragment
 from .safetensors_writer import write_stream
 from .slots import ModelSlots, model_slots
 

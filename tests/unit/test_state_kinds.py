@@ -1,6 +1,6 @@
 """Checkpoint records are typed: one enum of state kinds, one key function, one table.
 
-[Note: state kinds] in shardwrap/ckpt/records.py. Adding a state kind is one
+[Note: state kinds] in shardwrap/ckpt/piece_records.py. Adding a state kind is one
 ``StateKind`` member plus its save function and its load class in ``ckpt/kinds.py``'s
 table; these tests keep it so: the kinds' names on disk are written in one module, the
 piece key is built in one function, every kind is in the table, and the run state goes
@@ -21,7 +21,7 @@ import torch
 from shardwrap import ShardedModule, load_checkpoint, save_checkpoint
 from shardwrap.ckpt import kinds
 from shardwrap.ckpt.entries import CheckpointError, FileEntry
-from shardwrap.ckpt.records import (
+from shardwrap.ckpt.piece_records import (
     KindLoad,
     PieceRecord,
     RankReport,
@@ -34,7 +34,7 @@ from tests import models
 
 PACKAGE = Path(__file__).resolve().parents[2] / "shardwrap"
 KIND_NAMES = {kind.value for kind in StateKind}
-ENUM_MODULE = PACKAGE / "ckpt" / "records.py"
+ENUM_MODULE = PACKAGE / "ckpt" / "piece_records.py"
 
 
 def kind_literals(source: str) -> list[str]:
@@ -88,12 +88,14 @@ def test_the_piece_key_is_built_in_one_function():
     found = {
         str(p.relative_to(PACKAGE)): lines for p, s in _sources() if (lines := key_builders(s))
     }
-    assert set(found) == {"ckpt/records.py"}, found
+    assert set(found) == {"ckpt/piece_records.py"}, found
     tree = ast.parse(ENUM_MODULE.read_text(encoding="utf-8"))
     function = next(
         n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "piece_key"
     )
-    assert all(function.lineno <= line <= function.end_lineno for line in found["ckpt/records.py"])
+    assert all(
+        function.lineno <= line <= function.end_lineno for line in found["ckpt/piece_records.py"]
+    )
     assert piece_key(StateKind.OPTIM, "w", "exp_avg", "@4") == "optim/w/exp_avg@4"
     assert PieceRecord(StateKind.BUFFER, "b", None, 0, 1, "float32").key == "buffer/b"
 
