@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -132,3 +133,26 @@ def test_pooled_ranks_are_forked_yet_start_as_spawned_ones_would(monkeypatch) ->
         assert first != second
     finally:
         harness.release_pool(2)  # the next pool starts with this process's usual environment
+
+
+_left_behind = None  # a weak reference to the last test's model, in the rank
+
+
+def _leave_a_cycle(rank: int, world_size: int) -> None:
+    global _left_behind
+    model = torch.nn.Linear(2, 2)
+    model.register_forward_hook(lambda module, args, out: module)  # a cycle, as a wrap's
+    model.me = [model]
+    _left_behind = weakref.ref(model)
+
+
+def _cycle_collected(rank: int, world_size: int) -> bool:
+    return _left_behind is not None and _left_behind() is None
+
+
+def test_a_tests_cycles_are_collected_before_the_next_test() -> None:
+    """[Note: frozen between tests]: what a test leaves in cycles is collected, not frozen
+    with what lives on. Negative control: ``gc.freeze()`` before the collection in
+    ``_Task.restore`` keeps the last test's model alive and fails this test."""
+    run_ranks(_leave_a_cycle, 2)
+    assert run_ranks(_cycle_collected, 2) == [True, True]
