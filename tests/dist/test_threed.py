@@ -15,7 +15,7 @@ does, and ``python -m shardwrap consolidate`` turns its checkpoint into a folder
 
 8 ranks used to be slow to start (8 interpreters importing torch, shardwrap and
 transformers); they are forked from the harness's preloaded server now ([Note: pooled
-ranks are forked]): the module took 88 CPU seconds before, 32 after
+ranks are forked]): the module took 88 CPU seconds before, 34 after
 (benchmarks/RESULTS.md, "Test suite cost"). The training (with the save) still runs once,
 in a module fixture, the loads in one test, and the 8-rank pool, used by no other module,
 ends with this one (the Llama test reuses it).
