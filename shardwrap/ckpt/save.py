@@ -3,7 +3,7 @@
 Each rank stages what every state kind saves ([Note: state kinds] in piece_records.py; the
 table in kinds.py): pieces for its safetensors file (read lazily while writing, or copied
 to host buffers first for an asynchronous save), files of its own (the run state's) and
-header records. It writes them, then reports (:class:`~.records.RankReport`, as JSON) to
+header records. It writes them, then reports (:class:`~.piece_records.RankReport`, as JSON) to
 world rank 0, which commits the index (commit.py) once every rank's files are durable.
 
 Every rank reports success or its error to all others before anyone goes on, so a failure
