@@ -29,6 +29,7 @@ import socket
 import warnings
 
 import deepspeed  # noqa: F401 (a declared test dependency: a broken install fails, never skips)
+import deepspeed.comm.torch as deepspeed_comm_backend
 import pytest
 import torch
 
@@ -81,6 +82,12 @@ def _run_script(import_line: str, argv: list[str]) -> dict:
 
 
 def _worker(rank: int, world_size: int, port: int, root: str) -> dict:
+    # DeepSpeed's comm backend JIT-compiles a shared-memory all-reduce op on the CPU
+    # accelerator when it starts (used by inference_all_reduce only, never by training):
+    # 1-2 min of CPU on a fresh machine, and a compile killed midway (a rank limit under
+    # load) leaves a lock in ~/.cache/torch_extensions that every later run waits on
+    # forever (seen here). DeepSpeed runs without it when the op is unavailable.
+    deepspeed_comm_backend.build_shm_op = lambda: None
     # As a launcher starts a rank: its variables set, no process group yet.
     torch.distributed.destroy_process_group()
     os.environ.update(
