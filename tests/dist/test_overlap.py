@@ -137,6 +137,8 @@ def test_one_bucket_means_one_gradient_collective(strategy: str, kind: str) -> N
     assert result["summary"][(kind, "grads")] == (1, size)
 
 
-def test_bucket_size_is_validated() -> None:
-    with pytest.raises(TypeError, match="num_bytes"):
-        shardwrap.ShardedModule.set_reduce_bucket_size(None, 1.5)  # type: ignore[arg-type]
+def test_bucket_size_is_validated(one_rank) -> None:
+    model = shardwrap.ShardedModule(torch.nn.Linear(4, 4))
+    for setter in (model.set_reduce_bucket_size, model.set_all_gather_bucket_size):
+        with pytest.raises(TypeError, match="num_bytes"):
+            setter(1.5)  # type: ignore[arg-type]
