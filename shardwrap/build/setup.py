@@ -14,6 +14,7 @@ from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..core.storage import ShardAllocator
 from ..core.unit import Unit
+from ..layout.flat import FlatLayout
 from ..layout.partition import assign_params, collect_params
 from ..layout.persistence import is_persistent
 from ..offload.disk import DiskStore
@@ -41,6 +42,7 @@ def build_units(
     full_precision: list[nn.Module],
     shard_allocator=None,
     persistent: tuple[UnitComms | None, int] = (None, 0),
+    make_layout: Callable[..., Any] = FlatLayout.build,
 ) -> list[Unit]:
     """One unit per module, root first; materialise each right before it is sharded.
 
@@ -70,6 +72,7 @@ def build_units(
                 strategy=strategy,
                 mixed_precision=None if module in full_precision else mixed_precision,
                 shard_allocator=shard_allocator,
+                make_layout=make_layout,
             )
         )
         del records
@@ -147,6 +150,7 @@ def shard_root(
     shard_allocator: ShardAllocator | None,
     threshold: int,
     options: str,
+    make_layout: Callable[..., Any] = FlatLayout.build,
 ) -> tuple[list[Unit], list[nn.Module]]:
     """Shard ``module`` into units (``absorbed`` ones aside): the new units, and the
     modules that mixed precision leaves in full precision. ``shard_allocator``: where
@@ -199,6 +203,7 @@ def shard_root(
         full_precision=full_precision,
         shard_allocator=shard_allocator,
         persistent=(comms.persistent, threshold),
+        make_layout=make_layout,  # the FSDP2 door: ChunkLayout.build
     )
     if deferred or sync_module_states:
         materializer.finish(module, ignored)

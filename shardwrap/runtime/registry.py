@@ -44,6 +44,12 @@ def add_root(root: nn.Module, inner: nn.Module, runtime: StepRuntime) -> None:
         _RUNTIMES[unit] = weakref.ref(runtime)
 
 
+def remove_root(root: nn.Module) -> None:
+    """Forget ``root`` as a root: an enclosing root adopted its units (the FSDP2 door,
+    where a nested call's module stays in the tree)."""
+    _ROOTS.pop(root, None)
+
+
 def managed_units() -> list[tuple[nn.Module, Unit]]:
     """Every live unit with the module it became, in wrap order."""
     pairs = [(module, ref()) for module, ref in list(_UNITS.items())]
