@@ -17,7 +17,15 @@ shard. The engine's full buffer stays in parameter order (``ParamInfo.offset``, 
 lands in a separate buffer and is copied out once, per parameter one concatenation of its
 ranks' pieces. Gradients go the other way through the same pieces ([Note: packed
 gradients] in ``layout/grad_slots.py``, which reads :meth:`ChunkLayout.rank_pieces`).
-With one shard this is the flat layout exactly, and nothing is copied.
+With one shard (and no alignment) this is the flat layout exactly, and nothing is copied.
+
+[Note: aligned full views]
+The full buffer's order is free (only the shards travel), so each parameter may start at
+a multiple of ``align_numel`` elements there. The FSDP2 door aligns them to 64 bytes, as
+the CPU allocator aligns a tensor of its own: CPU kernels (MKL's matrix-vector product,
+for one) round differently with the operand's alignment, so a full view at an odd
+offset computes, bit for bit, not what torch's FSDP2 and single-process training compute
+with their separately allocated parameters (a 1-row ``Linear`` showed it at step 2).
 
 Everything here is a function of plain numbers, tested with hypothesis.
 """
@@ -62,19 +70,26 @@ class ChunkLayout:
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
-        expected = 0
+        end = 0
         for info in self.params:
-            if info.offset != expected:
-                raise ValueError(f"parameter {info.fqn!r} starts at {info.offset}, not {expected}")
-            expected = info.end
+            if info.offset < end:
+                raise ValueError(f"parameter {info.fqn!r} starts at {info.offset}, before {end}")
+            end = info.end
 
     @staticmethod
-    def build(named: list[tuple[str, tuple[int, ...], bool]], num_shards: int) -> ChunkLayout:
-        """Lay out ``(fqn, shape, requires_grad)`` entries (full buffer: end to end)."""
+    def build(
+        named: list[tuple[str, tuple[int, ...], bool]], num_shards: int, *, align_numel: int = 1
+    ) -> ChunkLayout:
+        """Lay out ``(fqn, shape, requires_grad)`` entries; in the full buffer each starts
+        at a multiple of ``align_numel`` elements ([Note: aligned full views])."""
+        if align_numel < 1:
+            raise ValueError(f"align_numel must be >= 1, got {align_numel}")
         infos = []
         offset = 0
         for fqn, shape, requires_grad in named:
-            info = ParamInfo(fqn, tuple(shape), offset, requires_grad)
+            info = ParamInfo(
+                fqn, tuple(shape), -(-offset // align_numel) * align_numel, requires_grad
+            )
             infos.append(info)
             offset = info.end
         return ChunkLayout(tuple(infos), num_shards)
@@ -86,8 +101,8 @@ class ChunkLayout:
 
     @property
     def shards_are_contiguous(self) -> bool:
-        """Whether shard ``r`` is the full buffer's ``r``-th slice (one shard only)."""
-        return self.num_shards == 1
+        """Whether shard ``r`` is the full buffer's ``r``-th slice (one shard, no gaps)."""
+        return self.num_shards == 1 and self.unpadded_numel == sum(i.numel for i in self.params)
 
     def local_rows(self, index: int, shard_index: int) -> tuple[int, int]:
         """Rows ``[start, end)`` of parameter ``index`` that shard ``shard_index`` holds."""
@@ -128,6 +143,7 @@ class ChunkLayout:
 
     @property
     def unpadded_numel(self) -> int:
+        """The full buffer's extent: the last parameter's end (alignment gaps included)."""
         return self.params[-1].end if self.params else 0
 
     @property
@@ -136,9 +152,15 @@ class ChunkLayout:
         return sum(piece.numel for piece in self.pieces(0))
 
     @property
-    def padded_numel(self) -> int:
-        """Elements of the gathered buffer (``num_shards`` shards); >= :attr:`unpadded_numel`."""
+    def gathered_numel(self) -> int:
+        """Elements the all-gather fills: ``num_shards`` shards, in rank order."""
         return self.num_shards * self.shard_numel
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the full buffer: it holds every parameter, and as many as the
+        gathered shards (so a one-shard unit's full buffer is its shard)."""
+        return max(self.gathered_numel, self.unpadded_numel)
 
     @property
     def num_padding(self) -> int:

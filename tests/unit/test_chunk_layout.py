@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardwrap.core.chunk_copy import copy_out, take_shard
 from shardwrap.layout.chunks import ChunkLayout, chunk_rows
 from shardwrap.layout.flat import FlatLayout, ShardPiece
 from shardwrap.layout.grad_slots import GradSlots
@@ -156,3 +157,39 @@ def test_negative_control_a_shifted_chunk_is_caught():
     params = [torch.randn(5, 2), torch.randn(3)]
     assert pieces_match_torch_chunks(layout, params, layout.pieces)
     assert not pieces_match_torch_chunks(layout, params, lambda r: _shifted(layout, r))
+
+
+def gather_round_trip(layout: ChunkLayout, params: list[torch.Tensor], rank_order) -> bool:
+    """Shards taken from a full buffer, 'all-gathered' in ``rank_order`` and copied out:
+    whether every parameter comes back."""
+    full = torch.full((layout.padded_numel,), float("nan"))
+    for info, param in zip(layout.params, params, strict=True):
+        full[info.offset : info.end] = param.reshape(-1)
+    shards = [take_shard(layout, full, rank) for rank in range(layout.num_shards)]
+    gathered = torch.cat([shards[r] for r in rank_order]) if shards else torch.zeros(0)
+    out = torch.full((layout.padded_numel,), float("nan"))
+    copy_out(layout, gathered, out)
+    return all(
+        torch.equal(out[info.offset : info.end].view(info.shape), param)
+        for info, param in zip(layout.params, params, strict=True)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(named, st.integers(1, 5), st.sampled_from([1, 4, 64]))
+def test_aligned_full_buffer_round_trips_through_the_shards(entries, num_shards, align):
+    layout = ChunkLayout.build(
+        [(f"p{i}", s, g) for i, (s, g) in enumerate(entries)], num_shards, align_numel=align
+    )
+    assert all(info.offset % align == 0 for info in layout.params)
+    assert layout.pieces(0) == build(entries, num_shards).pieces(0)  # shards: unaligned
+    assert layout.padded_numel >= max(layout.unpadded_numel, layout.gathered_numel)
+    params = [torch.randn(shape) for shape, _ in entries]
+    assert gather_round_trip(layout, params, range(num_shards))
+
+
+def test_negative_control_shards_gathered_out_of_order_do_not_round_trip():
+    layout = ChunkLayout.build([("w", (5, 2), True), ("b", (3,), True)], 3, align_numel=64)
+    params = [torch.randn(5, 2), torch.randn(3)]
+    assert gather_round_trip(layout, params, [0, 1, 2])
+    assert not gather_round_trip(layout, params, [1, 0, 2])

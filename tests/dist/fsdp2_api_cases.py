@@ -1,0 +1,56 @@
+"""Rank workers for tests/dist/test_fsdp2_door.py: FSDPModule's surface and install()."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._composable.fsdp as composable
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import shardwrap
+from tests.dist import fsdp2_cases as fc
+
+
+def surface(rank: int, world_size: int) -> dict:
+    """isinstance, the class name, unshard/reshard and install()'s rebinding."""
+    found: dict = {}
+    shardwrap.install()
+    try:
+        found["rebound"] = (
+            torch_fsdp.fully_shard is shardwrap.fully_shard
+            and composable.fully_shard is shardwrap.fully_shard
+        )
+        torch.manual_seed(0)
+        model = fc.TinyModel()
+        whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        for block in model.blocks:
+            torch_fsdp.fully_shard(block, mesh=mesh)
+        torch_fsdp.fully_shard(model, mesh=mesh)
+        found["isinstance"] = (
+            isinstance(model, torch_fsdp.FSDPModule),
+            isinstance(model.blocks[0], shardwrap.FSDPModule),
+            isinstance(model, fc.TinyModel),
+            type(model).__name__,
+        )
+    finally:
+        shardwrap.uninstall()
+    found["restored"] = torch_fsdp.fully_shard is not shardwrap.fully_shard
+    found["torch_isinstance_after"] = isinstance(model, torch_fsdp.FSDPModule)
+    found["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
+    handle = model.blocks[0].unshard(async_op=True)
+    handle.wait()
+    block_params = dict(model.blocks[0].named_parameters())
+    found["unsharded"] = all(
+        not isinstance(p, DTensor) and torch.equal(p, whole[f"blocks.0.{n}"])
+        for n, p in block_params.items()
+    )
+    model.blocks[0].reshard()
+    found["resharded"] = all(isinstance(p, DTensor) for p in model.blocks[0].parameters())
+    try:
+        model.blocks[0].set_requires_gradient_sync(False)
+        found["partial_sync"] = "accepted"
+    except NotImplementedError as error:
+        found["partial_sync"] = str(error)
+    return found
