@@ -33,6 +33,7 @@ from ..runtime import registry
 from ..runtime.schedule import Schedule
 from ..runtime.step import StepRuntime
 from .dtensor_views import install_dtensor_views
+from .group_hooks import register_group_hooks
 from .module import as_fsdp_module
 from .options import NOT_YET, parse_options
 from .state import DoorUnit, set_state, state_of
@@ -52,7 +53,7 @@ def _align(num_shards: int) -> int:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh=None,
     reshard_after_forward: bool | int | None = None,
@@ -61,10 +62,11 @@ def fully_shard(
     offload_policy: OffloadPolicy = DEFAULT_OFFLOAD_POLICY,
     ignored_params=None,
     dp_mesh_dims=None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters not yet sharded by a call on a submodule into one
     unit, as ``torch.distributed.fsdp.fully_shard`` does; returns ``module``, its class
-    now ``FSDP<Name>`` (an :class:`FSDPModule`). Call it bottom-up, the root last
+    now ``FSDP<Name>`` (an :class:`FSDPModule`). A list of modules makes one unit of all
+    their parameters ([Note: a list as one unit]). Call it bottom-up, the root last
     ([Note: bottom-up calls and the root]). Parameters become ``DTensor`` s sharded
     ``Shard(0)`` on ``mesh`` ([Note: DTensor shard views]). What this release does not
     support is refused by name (``docs/migrating-from-fsdp2.md``).
@@ -77,13 +79,17 @@ def fully_shard(
         ignored_params=ignored_params,
         dp_mesh_dims=dp_mesh_dims,
     )
-    _check_module(module)
-    device = next((p.device for p in module.parameters()), None)
+    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    for member in members:
+        _check_module(member)
+    # The unit's module: the one given, or a container of the list (outside the tree).
+    target = members[0] if len(members) == 1 else nn.ModuleList(members)
+    device = next((p.device for p in target.parameters()), None)
     mesh = data_parallel_mesh(mesh, device.type if device is not None else "cpu")
     comms = root_comms(resolve_groups(STRATEGY, None, mesh), STRATEGY, CommLedger(), 0)
-    adopted = _adopt_nested(module)
+    adopted = _adopt_nested(target)
     new_units, _ = shard_root(
-        module,
+        target,
         comms,
         adopted,
         policy=None,
@@ -101,19 +107,20 @@ def fully_shard(
     unit = new_units[0]
     if unit.handle is not None:
         install_dtensor_views(unit.handle, mesh)
-    hooks.register(unit)
-    set_state(module, DoorUnit(unit, mesh, options.reshard_after_forward))
-    _start_root(module, [unit, *adopted], comms.world)
-    as_fsdp_module(module)
+    state = DoorUnit(unit, mesh, options.reshard_after_forward, tuple(members))
+    for owner in {id(m): m for m in [target, *members]}.values():
+        set_state(owner, state)
+    if len(members) == 1:
+        hooks.register(unit)
+    else:
+        register_group_hooks(unit, members)
+    _start_root(target, members[0], [unit, *adopted], comms.world)
+    for member in members:
+        as_fsdp_module(member)
     return module
 
 
 def _check_module(module: object) -> None:
-    if isinstance(module, (list, tuple)):
-        raise ValueError(
-            f"module: a list of modules as one unit {NOT_YET}; call fully_shard on their "
-            "common parent, or on each of them"
-        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     if state_of(module) is not None:
@@ -141,7 +148,7 @@ def _adopt_nested(module: nn.Module) -> list[Unit]:
             continue
         state.runtime.remove_hooks()
         state.root_hook.remove()
-        registry.remove_root(sub)
+        registry.remove_root(state.unit.module)
         for unit in state.runtime.units:
             unit.name = f"{path}.{unit.name}" if unit.name else path
             if unit.handle is not None:
@@ -151,9 +158,11 @@ def _adopt_nested(module: nn.Module) -> list[Unit]:
     return adopted
 
 
-def _start_root(module: nn.Module, units: list[Unit], world: Communicator) -> None:
+def _start_root(
+    module: nn.Module, first: nn.Module, units: list[Unit], world: Communicator
+) -> None:
     """Make ``module`` the root of ``units``: decide each unit's resharding, start the
-    runtime, and hook the root's forward."""
+    runtime, and hook the forward of ``first`` (``module``, or a list's first module)."""
     for unit in units:
         state = state_of(unit.module)
         assert state is not None
@@ -165,7 +174,7 @@ def _start_root(module: nn.Module, units: list[Unit], world: Communicator) -> No
     root_state = state_of(module)
     assert root_state is not None
     root_state.runtime = runtime
-    root_state.root_hook = module.register_forward_pre_hook(lambda *_: begin(), prepend=True)
+    root_state.root_hook = first.register_forward_pre_hook(lambda *_: begin(), prepend=True)
 
 
 def resharded_after_forward(state: DoorUnit, is_root: bool) -> bool:

@@ -135,7 +135,8 @@ def _whole_root(module: Any, method: str, recurse: object):
     """The runtime whose flag ``method`` sets: only when the call covers all its units."""
     runtime = runtime_for(module)
     covered = {id(m) for m in module.modules()} if check_bool("recurse", recurse) else {id(module)}
-    if any(id(unit.module) not in covered for unit in runtime.units):
+    members = [m for unit in runtime.units if (s := state_of(unit.module)) for m in s.members]
+    if any(id(member) not in covered for member in members):
         raise NotImplementedError(
             f"FSDPModule.{method} is not yet supported by shardwrap for part of a model: "
             "the flag is the root's; call it on the root module with recurse=True"

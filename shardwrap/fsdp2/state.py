@@ -28,6 +28,7 @@ class DoorUnit:
     mesh: DeviceMesh
     # As given (set_reshard_after_forward changes it); None: False for the root, else True.
     reshard_after_forward: bool | None
+    members: tuple[nn.Module, ...]  # the modules of the call (several: a list as one unit)
     runtime: StepRuntime | None = None  # set while this call's module is the root
     root_hook: Any = None  # the root's forward pre-hook handle (begin_forward)
 

@@ -95,6 +95,7 @@ class Script:
 
     adamw: tuple[tuple[str, float], ...] = (("lr", LR), ("weight_decay", 0.1))
     microbatches: int = 1
+    mlp_as_list: bool = False  # fully_shard([block.up, block.down]) first: a list as one unit
 
 
 def run_script(
@@ -105,6 +106,8 @@ def run_script(
     model = TinyModel()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     for block in model.blocks:
+        if script.mlp_as_list:
+            shard([block.up, block.down], mesh=mesh)
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), **dict(script.adamw))

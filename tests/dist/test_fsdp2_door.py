@@ -4,7 +4,8 @@ At 2 ranks every gradient sum has two terms, which floating point adds alike in 
 order, so the two runs must agree bit for bit: losses, gradient norms (torch's
 ``clip_grad_norm_`` over the DTensor gradients), every parameter's ``full_tensor()``, local
 shapes and placements, and ``model.state_dict()``, after every AdamW step; with gradient
-accumulation through ``set_requires_gradient_sync`` too. At 3 ranks gloo's ring
+accumulation through ``set_requires_gradient_sync``, and with each block's MLP a list
+unit (``fully_shard([up, down])``) too. At 3 ranks gloo's ring
 reduce-scatter adds the three terms in an order that depends on the element's position
 (checked: some elements match no fixed order of the three), shardwrap in rank order, so
 values agree within the bounds of tests/tolerances.py (AdamW with eps = 1e-3 there), and
@@ -26,11 +27,14 @@ from tests.tolerances import REORDER_SAFE_ADAMW, REORDERED_VALUE_TOL, reordered_
 
 EXACT = fc.Script()
 ACCUMULATING = fc.Script(microbatches=2)
+LISTS = fc.Script(mlp_as_list=True)
 REORDER_SAFE = fc.Script(adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)))
 REORDERED = fc.Tolerances(values=REORDERED_VALUE_TOL, params=reordered_param_tol)
 
 
-@pytest.mark.parametrize("script", [EXACT, ACCUMULATING], ids=["adamw", "accumulate"])
+@pytest.mark.parametrize(
+    "script", [EXACT, ACCUMULATING, LISTS], ids=["adamw", "accumulate", "list_unit"]
+)
 def test_two_ranks_equal_torch_fsdp2_bit_for_bit(script):
     for rank, found in enumerate(run_ranks(fc.compare, 2, script, None, False)):
         assert found == [], f"rank {rank}: {found[:8]}"

@@ -51,9 +51,9 @@ def test_unsupported_arguments_are_refused_by_name(argument, value, error):
         parse_options(**{**DEFAULTS, argument: value})
 
 
-def test_a_list_of_modules_is_refused_before_any_collective():
-    with pytest.raises(ValueError, match="a list of modules"):
-        shardwrap.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)])
+def test_a_list_with_a_non_module_is_refused_before_any_collective():
+    with pytest.raises(TypeError, match="module"):
+        shardwrap.fully_shard([nn.Linear(2, 2), "not a module"])
 
 
 REFUSED = [
