@@ -54,3 +54,28 @@ def surface(rank: int, world_size: int) -> dict:
     except NotImplementedError as error:
         found["partial_sync"] = str(error)
     return found
+
+
+def resharding(rank: int, world_size: int, block_setting: bool | None) -> dict:
+    """What stays gathered after a forward: the root by FSDP2's default, the blocks as
+    ``reshard_after_forward`` says (None: freed); after backward, nothing."""
+    from shardwrap.fsdp2.state import state_of
+
+    torch.manual_seed(0)
+    model = fc.TinyModel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        shardwrap.fully_shard(block, mesh=mesh, reshard_after_forward=block_setting)
+    shardwrap.fully_shard(model, mesh=mesh)
+
+    def gathered() -> dict[str, bool]:
+        held = {"root": state_of(model).unit.handle.full_storage_bytes > 0}
+        for index, block in enumerate(model.blocks):
+            held[f"block{index}"] = state_of(block).unit.handle.full_storage_bytes > 0
+        return held
+
+    idx, target = fc.batch(0, rank)
+    loss = torch.nn.functional.cross_entropy(model(idx).reshape(-1, fc.OUT), target.reshape(-1))
+    after_forward = gathered()
+    loss.backward()
+    return {"after_forward": after_forward, "after_backward": gathered()}

@@ -60,3 +60,14 @@ def test_fsdp_module_surface_and_install():
         assert not found["torch_isinstance_after"]  # torch's own class again
         assert found["sharded"] and found["unsharded"] and found["resharded"]
         assert "call it on the root module" in found["partial_sync"]
+
+
+@pytest.mark.parametrize(
+    ("block_setting", "block_kept"), [(None, False), (True, False), (False, True)]
+)
+def test_reshard_after_forward_frees_what_it_says(block_setting, block_kept):
+    """Negative control: the blocks' False row is the True row with the setting flipped;
+    a setting not acted on fails one of them."""
+    for found in run_ranks(api.resharding, 2, block_setting):
+        assert found["after_forward"] == {"root": True, "block0": block_kept, "block1": block_kept}
+        assert not any(found["after_backward"].values())
