@@ -86,6 +86,7 @@ class Record:
     placements: list[dict[str, str]] = field(default_factory=list)
     state_dict: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_is_dtensor: bool = True
+    optimizer_state_is_dtensor: bool = True  # AdamW's exp_avg / exp_avg_sq
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,11 @@ def run_script(
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         record.grad_norms.append(_plain(norm))
         optim.step()
+        record.optimizer_state_is_dtensor &= all(
+            isinstance(state[key], DTensor)
+            for state in optim.state.values()
+            for key in ("exp_avg", "exp_avg_sq")
+        )
         optim.zero_grad()
         record.losses.append(float(loss.detach()))
         _read(model, record)
@@ -202,6 +208,8 @@ def differences(reference: Record, ours: Record, tol: Tolerances | None = None) 
                 tensors = view in ("full", "state_dict")
                 if not (_same(a[name], b[name], param_tol) if tensors else a[name] == b[name]):
                     found.append(f"step {step}: {view}[{name!r}] differs")
+    if not (reference.optimizer_state_is_dtensor and ours.optimizer_state_is_dtensor):
+        found.append("optimizer state: not DTensors")
     if not (reference.grad_is_dtensor and ours.grad_is_dtensor):
         found.append(
             f"DTensor gradients: torch {reference.grad_is_dtensor}, ours {ours.grad_is_dtensor}"
