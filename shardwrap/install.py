@@ -29,6 +29,7 @@ from typing import Any
 
 from .ckpt import dcp
 from .fsdp2 import FSDPModule, fully_shard
+from .fsdp2.state import state_of
 from .runtime import registry
 from .wrap import FullyShardedDataParallel
 
@@ -51,7 +52,9 @@ _ORIGINALS: dict[tuple[str, str], Any] = {}
 
 
 def _holds_shardwrap(model: Any) -> bool:
-    return any(registry.is_root(m) for m in model.modules())
+    """Whether ``model`` holds an FSDP1-door root. An FSDP2-door model is FSDP2 to torch's
+    state-dict functions (DTensor parameters), so they serve it themselves."""
+    return any(registry.is_root(m) and state_of(m) is None for m in model.modules())
 
 
 def _dispatch(name: str, ours: Any) -> Any:

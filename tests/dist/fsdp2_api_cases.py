@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed._composable.fsdp as composable
 import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.checkpoint import state_dict as dsd
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -28,6 +29,18 @@ def surface(rank: int, world_size: int) -> dict:
         for block in model.blocks:
             torch_fsdp.fully_shard(block, mesh=mesh)
         torch_fsdp.fully_shard(model, mesh=mesh)
+        # install() rebinds torch's state-dict functions too; a door model is plain FSDP2
+        # to them (DTensor parameters), so they must stay torch's for it.
+        state = dsd.get_model_state_dict(model)
+        full = dsd.get_model_state_dict(model, options=dsd.StateDictOptions(full_state_dict=True))
+        found["dsd"] = (
+            state.keys() == full.keys() == model.state_dict().keys()
+            and all(isinstance(v, DTensor) for v in state.values())
+            and all(
+                not isinstance(full[k], DTensor) and torch.equal(full[k], v.full_tensor())
+                for k, v in state.items()
+            )
+        )
         found["isinstance"] = (
             isinstance(model, torch_fsdp.FSDPModule),
             isinstance(model.blocks[0], shardwrap.FSDPModule),

@@ -55,7 +55,7 @@ def test_negative_control_undivided_gradients_differ(world_size):
 
 def test_fsdp_module_surface_and_install():
     for found in run_ranks(api.surface, 2):
-        assert found["rebound"] and found["restored"]
+        assert found["rebound"] and found["restored"] and found["dsd"]
         assert found["isinstance"] == (True, True, True, "FSDPTinyModel")
         assert not found["torch_isinstance_after"]  # torch's own class again
         assert found["sharded"] and found["unsharded"] and found["resharded"]
