@@ -45,7 +45,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import shardwrap  # noqa: E402
-from shardwrap import checkpoint  # noqa: E402
 from shardwrap.base.gc_pause import gc_paused  # noqa: E402
 from shardwrap.ckpt import commit, fragments  # noqa: E402
 from shardwrap.ckpt import slots as ckpt_slots  # noqa: E402
@@ -55,6 +54,14 @@ from shardwrap.ckpt.format import (  # noqa: E402
     TensorEntry,
     read_index,
     shard_file_name,
+)
+from shardwrap.ckpt.kinds import save_all  # noqa: E402
+from shardwrap.ckpt.piece_records import (  # noqa: E402
+    PieceRecord,
+    RankReport,
+    SaveContext,
+    SentFragment,
+    StateKind,
 )
 from shardwrap.layout.flat import FlatLayout  # noqa: E402
 from shardwrap.policies import ModuleWrapPolicy  # noqa: E402
@@ -140,37 +147,43 @@ def unit_layouts(shape: LlamaShape, world_size: int) -> list[FlatLayout]:
     return layouts
 
 
-def rank_records(layouts: list[FlatLayout], rank: int) -> list[tuple]:
+def real_records(slots, optimizer) -> list[PieceRecord]:
+    """What ``save_checkpoint`` records for this rank's pieces."""
+    return save_all(SaveContext(SAVE_ID, slots, optimizer, None)).records
+
+
+def rank_records(layouts: list[FlatLayout], rank: int) -> list[PieceRecord]:
     """What ``save_checkpoint`` records for world rank ``rank`` (FULL_SHARD, AdamW, fp32)."""
     records = []
-    for kind, state in [("param", None), *[("optim", s) for s in ADAM_STATES]]:
+    kinds = [(StateKind.PARAM, None), *[(StateKind.OPTIM, s) for s in ADAM_STATES]]
+    for kind, state in kinds:
         for layout in layouts:
             step = layout.shard_numel
             for info, piece in zip(layout.params, layout.pieces(rank), strict=True):
                 if piece.numel:
                     origin = rank * step - info.offset
                     start, end = piece.param_start, piece.param_end
-                    record = (kind, info.fqn, state, start, end, "float32", step, origin, "")
+                    record = PieceRecord(kind, info.fqn, state, start, end, "float32", step, origin)
                     records.append(record)
     if rank == 0:  # AdamW's scalar ``step`` of every parameter, saved by rank 0 alone
         for layout in layouts:
-            records += [("optim", i.fqn, "step", 0, 1, "float32", 0, 0, "") for i in layout.params]
+            records += [
+                PieceRecord(StateKind.OPTIM, i.fqn, "step", 0, 1, "float32") for i in layout.params
+            ]
     return records
 
 
-def simulated_report(records: list[tuple], rank: int, part: dict) -> dict:
+def simulated_report(records: list[PieceRecord], rank: int, part) -> RankReport:
     """A rank's report as ``save_checkpoint`` gathers it, with format 2's file checksums;
     ``part``: what it sends of its model's description (rank 0's, or its digest alone)."""
     size = 8 + HEADER_BYTES_PER_TENSOR * len(records)
-    size += sum(4 * (end - start) for _, _, _, start, end, *_ in records)
+    size += sum(4 * (r.end - r.start) for r in records)
     digests = [
         hashlib.sha256(f"{rank}/{c}".encode()).hexdigest()
         for c in range(-(-size // DEFAULT_CHUNK_BYTES))
     ]
     entry = FileEntry(size, digests[0], DEFAULT_CHUNK_BYTES, digests)
-    name = shard_file_name(SAVE_ID, rank)
-    report = {"error": None, "file": name, "file_entry": entry.to_json(), "records": records}
-    return {**report, "fragment": part}
+    return RankReport(None, shard_file_name(SAVE_ID, rank), entry, tuple(records), part)
 
 
 def save_as(rank: int, world_size: int, folder: str, shape: LlamaShape = SHAPES["tiny"]):
@@ -178,7 +191,7 @@ def save_as(rank: int, world_size: int, folder: str, shape: LlamaShape = SHAPES[
     with fake_ranks(world_size, rank):
         model, optimizer = wrapped(shape)
         model.comm_ledger.reset()
-        checkpoint.save_checkpoint(folder, model, optimizer)
+        shardwrap.save_checkpoint(folder, model, optimizer)
         return list(model.comm_ledger.records)
 
 
@@ -198,21 +211,21 @@ def measure(shape: LlamaShape, world_size: int, format_1: bool) -> dict:
     with fake_ranks(world_size, 0):
         model, optimizer = wrapped(shape)
         slots = ckpt_slots.model_slots(model)
-        _, own = checkpoint._rank_items(slots, optimizer)
+        own = real_records(slots, optimizer)
         layouts = unit_layouts(shape, world_size)
         expected = sorted(rank_records(layouts, 0), key=repr)
         assert sorted(own, key=repr) == expected, "the simulation departs from the real records"
         part = fragments.to_send(slots, fragments.fragment(slots, optimizer))
-        others = {"digest": part["digest"], "fragment": None}  # not leading a stage
+        others = SentFragment(part.digest, None)  # not leading a stage
         reports = [simulated_report(own, 0, part)]
         reports += [
             simulated_report(rank_records(layouts, r), r, others) for r in range(1, world_size)
         ]
-        received = [len(pickle.dumps(r)) for r in reports]
+        received = [len(pickle.dumps(r.to_json())) for r in reports]
         with tempfile.TemporaryDirectory() as root:
             start = time.perf_counter()
             with gc_paused():  # as save_checkpoint builds it
-                commit.commit_index(root, SAVE_ID, slots, optimizer, reports, None, None)
+                commit.commit_index(root, SAVE_ID, slots, optimizer, reports, None, {})
             build_s = time.perf_counter() - start
             index_path = os.path.join(root, "index.json")
             index_size = os.path.getsize(index_path)
@@ -241,17 +254,17 @@ def measure(shape: LlamaShape, world_size: int, format_1: bool) -> dict:
     return result
 
 
-def format_1_figures(layouts: list[FlatLayout], world_size: int, reports: list[dict]) -> dict:
+def format_1_figures(layouts: list[FlatLayout], world_size: int, reports: list[RankReport]) -> dict:
     """Format 1: dict records and per-piece checksums all-gathered, every piece listed."""
-    total, listed = 0, {}
+    total, listed, files = 0, {}, {}
     for rank, report in enumerate(reports):
-        name = report["file"]
+        name = report.file
         records, digests = [], {}
-        for kind, fqn, state, start, end, dtype, *_ in report["records"]:  # no TP suffixes
-            key = f"{kind}/{fqn}" if state is None else f"{kind}/{fqn}/{state}"
+        for record in report.records:  # no TP suffixes
+            key, start, end = record.key, record.start, record.end
             records.append(
-                {"kind": kind, "name": fqn, "state": state, "key": key, "start": start}
-                | {"end": end, "dtype": dtype}
+                {"kind": record.kind.value, "name": record.name, "state": record.state}
+                | {"key": key, "start": start, "end": end, "dtype": record.dtype}
             )
             chunks = -(-(4 * (end - start)) // DEFAULT_CHUNK_BYTES)
             digests[key] = [
@@ -260,12 +273,11 @@ def format_1_figures(layouts: list[FlatLayout], world_size: int, reports: list[d
             listed.setdefault(key, []).append(
                 {"file": name, "key": key, "start": start, "end": end}
             )
-        file_entry = {**report["file_entry"], "tensors": digests}
+        file_entry = {**report.file_entry.to_json(), "tensors": digests}
         file_entry.pop("chunks")
         old = {"error": None, "file": name, "file_entry": file_entry, "records": records}
         total += len(pickle.dumps(old))
-        report["old_file_entry"] = file_entry
-    files = {r["file"]: r["old_file_entry"] for r in reports}
+        files[name] = file_entry
     index = {"params": {k: {"pieces": v} for k, v in listed.items()}, "files": files}
     start = time.perf_counter()
     text = json.dumps(index, indent=1)

@@ -9,9 +9,9 @@ from .comm.launch import init_distributed
 from .data.sampler import ResumableSampler
 from .deepspeed import pipe_module as pipe
 from .deepspeed import zero_api as zero
-from .deepspeed.door import initialize
 from .deepspeed.engine import ShardedEngine
-from .deepspeed.front_door import DeepSpeedConfig, add_config_arguments
+from .deepspeed.engine_choice import initialize
+from .deepspeed.top_level_api import DeepSpeedConfig, add_config_arguments
 from .features.forward_methods import register_forward_method
 from .features.grad_scaler import ShardedGradScaler
 from .fsdp1_options import (

@@ -38,7 +38,7 @@ default choice of some frameworks on GPUs) write parameters without bumping thei
 counters, so a gathered copy kept across the step (ZeRO-1, a low-precision or device copy
 of a one-shard unit) looked current and the next forward computed with the parameters of
 the step before. Every optimizer step over a handle's shard views therefore also counts
-as an update: the root's optimizer step post-hook calls :meth:`note_shard_updated`, and
+as an update: the optimizer's step post-hook calls :meth:`note_shard_updated`, and
 the gathered copy is current only when both the counter and the number of such steps are
 what they were when it was gathered (:attr:`shard_version`).
 """
@@ -54,7 +54,7 @@ from torch import nn
 from .base.pages import release_resident
 from .base.torch_compat import preserve_version_counter
 from .comm.collectives import ROOT_LABEL, Communicator
-from .core.chunk_copy import copy_out, take_shard
+from .core.chunk_copy import copy_out, landing_for, place_gathered, take_shard
 from .core.comm_quant import UnitCommQuant
 from .core.grads import UnitGrads
 from .core.pending_gather import PendingGather
@@ -140,7 +140,7 @@ class FlatParamHandle:
         self.has_trainable_params = any(self.wrapped_requires_grad)
         self.grads = self._make_grads()
         self.comm_quant: UnitCommQuant | None = None  # ZeRO++ ([Note: ZeRO++ in a unit])
-        self.reshard(free=True)
+        self._to_sharded(free=True)  # a handle starts sharded, its gathered buffer freed
 
     def _place_tensors(
         self, params: list[nn.Parameter], shard_allocator: ShardAllocator | None
@@ -162,7 +162,6 @@ class FlatParamHandle:
             flat_shard = placed
             if self.num_shards == 1 and self.host_staging is None:
                 flat_init = placed
-        # 1D, padded, compute_dtype; storage released while resharded (if separate_full).
         flat_full = (
             flat_init  # released by the constructor's reshard when separate_full
             if self.compute_dtype == dtype
@@ -258,7 +257,7 @@ class FlatParamHandle:
         self._num_shard_updates += 1
 
     def unshard(self) -> None:
-        """Gather the full parameters (if stale) and show them on the module."""
+        """Gather the full parameters (if stale), show them (only runtime/step.py calls it)."""
         if self.state is ShardedState.UNSHARDED and self.full_is_current:
             return
         self.start_unshard()
@@ -283,9 +282,7 @@ class FlatParamHandle:
         self._allocate_full()
         shard, staged = self.gather_source()
         guard = preserve_version_counter(self.flat_full)
-        landing = None  # [Note: the dim-0 chunk layout]: shards land apart, copied out
-        if not self.layout.shards_are_contiguous:
-            landing = self.flat_full.new_empty(self.layout.gathered_numel)  # type: ignore[union-attr]
+        landing = landing_for(self.layout, self.flat_full)  # None: they land in flat_full
         with guard:
             if self.comm_quant is not None:
                 work = self.comm_quant.gather(
@@ -348,10 +345,7 @@ class FlatParamHandle:
         self._allocate_full()
         # As for a plain all-gather: see [Note: version counters].
         with torch.no_grad(), preserve_version_counter(self.flat_full):
-            if self.layout.shards_are_contiguous:
-                self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)
-            else:
-                copy_out(self.layout, full_by_rank.contiguous(), self.flat_full)
+            place_gathered(self.layout, full_by_rank, self.flat_full)
         self._gathered_version = version
 
     def adopt_gather(self, work: Any, *, version: ShardVersion, staged: StagedShard | None) -> None:
@@ -363,7 +357,10 @@ class FlatParamHandle:
         self._pending = PendingGather(work, version, guard, None, staged)
 
     def reshard(self, *, free: bool) -> None:
-        """Show the shard views; release the gathered storage when ``free``."""
+        """Show the shard views; free the gathered storage if ``free`` (runtime/step.py's call)."""
+        self._to_sharded(free=free)
+
+    def _to_sharded(self, *, free: bool) -> None:
         self.show_params(self.shard_params)
         self.state = ShardedState.SHARDED
         if not self.separate_full:  # the module computed on the shard (DiskOffload: a file)

@@ -1,8 +1,9 @@
-"""Forward/backward hooks: gather a unit before it computes, free it after, reduce its grads.
+"""Forward/backward hooks of a unit: glue from torch's hooks to the step runtime's moments.
 
-Each hook takes the unit and its root's ``StepRuntime`` (found in the registry); the
-post-backward step itself is ``StepRuntime.post_backward`` (the end-of-backward callback
-runs it too).
+Each hook finds the unit's root ``StepRuntime`` (in the registry) and calls its method for
+the moment (``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``); what
+happens then is in runtime/step.py. This module only places the hooks: on the module, on
+the unit's outputs (pre-backward) and as an autograd node on its inputs (post-backward).
 
 [Note: when a unit's backward is over]
 A unit's post-backward runs from an autograd node placed on the unit's forward inputs:
@@ -32,9 +33,8 @@ import torch
 from torch import nn
 
 from .base.compiler import run_eagerly
-from .base.pages import release_resident
 from .base.torch_compat import tree_flatten, tree_unflatten
-from .core.unit import TrainingState, Unit
+from .core.unit import Unit
 from .flat_param import FlatParamHandle
 from .runtime import registry
 from .runtime.step import StepRuntime
@@ -47,10 +47,10 @@ def register(unit: Unit) -> None:
     installed: a root that adopts a nested root's units takes them over, hooks included.
     """
     pre_hook, post_hook = _eager_hooks()
-    unit.hook_handles.append(
+    unit.add_hook_handle(
         unit.module.register_forward_pre_hook(functools.partial(pre_hook, unit), with_kwargs=True)
     )
-    unit.hook_handles.append(
+    unit.add_hook_handle(
         unit.module.register_forward_hook(functools.partial(post_hook, unit), with_kwargs=True)
     )
 
@@ -82,15 +82,8 @@ def _post_forward_hook(unit: Unit, module: nn.Module, args: tuple, kwargs: dict,
 def pre_forward(
     unit: Unit, runtime: StepRuntime, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
-    runtime.record_forward(unit)
-    unit.forward_depth += 1
-    if unit.handle is not None:
-        runtime.schedule.before_forward_unshard(unit)
-        unit.handle.unshard()
-    runtime.schedule.after_pre_forward(unit)
-    if unit.state is TrainingState.IDLE:
-        unit.start_forward()
-        unit.expects_backward = False
+    """The forward pre-hook: the runtime's pre-forward, then the post-backward node."""
+    runtime.pre_forward(unit)
     if torch.is_grad_enabled() and unit.handle is not None:
         _check_requires_grad(unit.handle)
         # A frozen unit's inputs may still need gradients (a frozen block above
@@ -102,39 +95,13 @@ def pre_forward(
 def post_forward(
     unit: Unit, runtime: StepRuntime, module: nn.Module, args: tuple, kwargs: dict, output: Any
 ) -> Any:
+    """The forward hook: pre-backward hooks on the outputs, then the runtime's post-forward."""
     training = torch.is_grad_enabled()
-    unit.forward_depth = max(unit.forward_depth - 1, 0)
-    nested = unit.forward_depth > 0
-    if unit.handle is not None and unit.state is not TrainingState.BACKWARD and not nested:
-        keep = runtime.schedule.keeps_gathered_after_forward(unit)
-        if not training or (unit.reshard_after_forward and not keep):
-            unit.handle.reshard(free=unit.strategy.free_after_backward)
-        elif unit.strategy.reduces_at_step:
-            unit.handle.reshard(free=False)
-        elif not unit.handle.separate_full:  # kept, and computed on the shard (DiskOffload)
-            release_resident(unit.handle.flat_shard)
-    if not training:
-        # A reentrant activation checkpoint runs forward without grad and again in
-        # backward, so backward may still need the unit.
-        unit.expects_backward = True
-    elif _register_pre_backward(unit, runtime, output):
-        unit.expects_backward = True
+    # Without grad, a reentrant activation checkpoint runs forward again in backward, so
+    # backward may still need the unit.
+    hooked = training and _register_pre_backward(unit, runtime, output)
+    runtime.post_forward(unit, training=training, backward_expected=not training or hooked)
     return output
-
-
-def pre_backward(unit: Unit, runtime: StepRuntime) -> None:
-    runtime.queue_finalize()
-    if unit.state is TrainingState.IDLE:
-        # A further backward through a retained graph (``retain_graph=True``): this
-        # unit's step was finalised already, so enter it as a new one.
-        runtime.record_forward(unit)
-        unit.start_forward()
-    if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
-        if unit.handle is not None:
-            runtime.schedule.before_backward_unshard(unit, runtime.execution_order)
-            unit.handle.unshard()
-        unit.start_backward()
-        runtime.schedule.after_pre_backward(unit, runtime.execution_order)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -202,4 +169,4 @@ class _PreBackwardHook:
         self.runtime = runtime
 
     def __call__(self, grad: torch.Tensor) -> None:
-        pre_backward(self.unit, self.runtime)
+        self.runtime.pre_backward(self.unit)

@@ -27,10 +27,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .build.root import is_root
 from .ckpt import dcp
 from .fsdp2 import FSDPModule, fully_shard
 from .fsdp2.state import state_of
-from .runtime import registry
 from .wrap import FullyShardedDataParallel
 
 _DSD = "torch.distributed.checkpoint.state_dict"
@@ -54,7 +54,7 @@ _ORIGINALS: dict[tuple[str, str], Any] = {}
 def _holds_shardwrap(model: Any) -> bool:
     """Whether ``model`` holds an FSDP1-door root. An FSDP2-door model is FSDP2 to torch's
     state-dict functions (DTensor parameters), so they serve it themselves."""
-    return any(registry.is_root(m) and state_of(m) is None for m in model.modules())
+    return any(is_root(m) and state_of(m) is None for m in model.modules())
 
 
 def _dispatch(name: str, ours: Any) -> Any:

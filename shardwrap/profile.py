@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .build.root import root_of
 from .comm.collectives import ROOT_LABEL as ROOT_LABEL  # re-exported: how the root unit is named
 from .wrap import ShardedModule
 
@@ -53,11 +54,10 @@ def memory_by_category(
     * ``optimizer_state``: every tensor ``optimizer`` keeps for this model's parameters
       (for AdamW: ``exp_avg``, ``exp_avg_sq`` and the one-element ``step``).
     """
-    if not isinstance(model, ShardedModule):
-        raise TypeError(f"model: expected a ShardedModule, got {type(model).__name__}")
+    root = root_of(model)
     counted: set[tuple[int, int]] = set()
     totals = dict.fromkeys(MEMORY_CATEGORIES, 0)
-    handles = [u.handle for u in model.units if u.handle is not None]
+    handles = [u.handle for u in root.units if u.handle is not None]
     for handle in handles:
         if handle.separate_full:
             totals["full_params"] += _storage_bytes(handle.flat_full, counted)
@@ -191,7 +191,7 @@ def profile_step(model: ShardedModule) -> Iterator[StepProfile]:
     Include ``optimizer.step()`` in the block to see ZeRO-1's reduction and the
     all-gathers a changed shard causes. The ledger's earlier records are kept.
     """
-    ledger = model.comm_ledger
+    ledger = root_of(model).comm_ledger
     previous_timing = ledger.time_collectives
     ledger.time_collectives = True
     first = ledger.num_recorded

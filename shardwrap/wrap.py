@@ -11,55 +11,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import hooks
-from .base.compiler import run_eagerly
-from .base.records import as_record
+from .base.docstrings import doc_from
 from .base.validate import check_bool
 from .base.warn_once import warn_once
-from .build import casts as precision
-from .build.agreement import agreed_options
-from .build.comm_quant import quantize_comms
-from .build.comms import root_comms
-from .build.fsdp_units import FSDP1Attributes, FSDPMeta, as_fsdp_unit
-from .build.nesting import absorb_nested, check_not_wrapped
-from .build.setup import (
-    check_unsupported,
-    disk_store_for,
-    resolve_ignored,
-    shard_root,
-)
+from .build.compose import build_root
+from .build.fsdp_units import FSDP1Attributes, FSDPMeta
+from .build.nesting import check_not_wrapped
+from .build.root import RootField, ShardRoot, is_root
+from .build.sharding import resolve_ignored
 from .build.unused_args import note_unused_args
+from .build.wrap_options import WrapOptions
 from .ckpt import fsdp1 as _fsdp1
 from .ckpt import fsdp1_rekey
 from .ckpt import state_dict as _state_dict
-from .comm.collectives import CollectiveChecker, CommLedger, Communicator
-from .comm.groups import resolve_groups
+from .comm.collectives import CollectiveChecker
 from .core.unit import Unit
-from .features import batch_weight, forward_methods, fsdp1_methods, grad_clip
+from .features import batch_weight, forward_methods, fsdp1_methods, grad_clip, grad_sync, tuning
 from .features import summon as full_params
-from .features.grad_sync import GradSyncControl
-from .features.tuning import ScheduleTuning
-from .layout.persistence import check_threshold
-from .offload.host import host_staging_for
-from .options import (
-    BackwardPrefetch,
-    CPUOffload,
-    DiskOffload,
-    MixedPrecision,
-    ShardingStrategy,
-)
+from .options import BackwardPrefetch, CPUOffload
 from .policies import (
     CustomPolicy,
     ModuleWrapPolicy,
     always_wrap_policy,
-    as_policy,
     lambda_auto_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-from .runtime import registry
-from .runtime.schedule import Schedule
-from .runtime.step import StepRuntime
 
 __all__ = [
     "ShardedModule",
@@ -74,9 +51,7 @@ __all__ = [
 ]
 
 
-class ShardedModule(
-    FSDP1Attributes, GradSyncControl, ScheduleTuning, nn.Module, metaclass=FSDPMeta
-):
+class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.
@@ -91,10 +66,24 @@ class ShardedModule(
     ``param_persistence_threshold`` (keyword only; 0 = off): units whose parameters total
     fewer elements are kept whole and replicated on every rank, never all-gathered, their
     gradients all-reduced; see [Note: parameter persistence] in ``layout/persistence.py``.
+
+    The constructor parses these arguments into ``WrapOptions`` and builds the model's
+    ``ShardRoot`` (``build/compose.py``); :meth:`from_options` takes options another door
+    parsed.
     """
 
     # isinstance(unit_module, ShardedModule) holds too: [Note: units as FSDP instances].
     _answers_for_units = True
+    # FSDP1's attribute names (and shardwrap's own additions), read from the root.
+    sharding_strategy = RootField(options=True)
+    backward_prefetch = RootField(options=True)
+    forward_prefetch = RootField(options=True)
+    mixed_precision = RootField(options=True)
+    cpu_offload = RootField(options=True)
+    param_persistence_threshold = RootField(options=True)
+    comm_ledger = RootField()
+    disk_store = RootField()
+    comm_quantization = RootField()
 
     def __init__(
         self,
@@ -119,116 +108,99 @@ class ShardedModule(
         comm_quantization: Any = None,
     ) -> None:
         super().__init__()
-        self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
         check_not_wrapped(module)
-        self._set_options(
-            sharding_strategy,
-            backward_prefetch,
-            forward_prefetch,
-            limit_all_gathers,
-            use_orig_params,
-            param_persistence_threshold,
-            mixed_precision,
-        )
-        cpu_offload = cpu_offload and as_record("cpu_offload", cpu_offload, CPUOffload, DiskOffload)
-        check_unsupported(cpu_offload, module)
-        self.cpu_offload = cpu_offload
-        policy = as_policy(auto_wrap_policy)
-        ignored = resolve_ignored(ignored_modules, ignored_states, module)
-        self.comm_ledger = CommLedger()
-        comms = root_comms(
-            resolve_groups(self.sharding_strategy, process_group, device_mesh),
-            self.sharding_strategy,
-            self.comm_ledger,
-            self.param_persistence_threshold,
-        )
-        # DiskOffload: shards and Adam state in mapped files, named by the rank in the world.
-        self.disk_store = disk_store_for(cpu_offload, comms.world.rank)
-        absorbed = absorb_nested(module, policy=policy)
-        new_units, full_precision = shard_root(
-            module,
-            comms,
-            absorbed,
-            policy=policy,
-            ignored=ignored,
-            param_init_fn=param_init_fn,
-            device_id=device_id,
-            sync_module_states=check_bool("sync_module_states", sync_module_states),
-            strategy=self.sharding_strategy,
-            mixed_precision=self.mixed_precision,
-            shard_allocator=(  # CPUOffload: host shards, see [Note: host shards and staging]
-                self.disk_store.allocate if self.disk_store else host_staging_for(cpu_offload)
-            ),
-            threshold=self.param_persistence_threshold,
-            options=agreed_options(self),
-        )
-        if self.disk_store is not None:
-            self.disk_store.attach(u.handle for u in new_units)
-        self.comm_quantization = quantize_comms(comm_quantization, new_units, comms)
-        self.module = module
-        self._units: list[Unit] = new_units + list(absorbed)
-        self._start_runtime(comms.world, new_units, full_precision)
-
-    def _set_options(
-        self,
-        sharding_strategy: Any,
-        backward_prefetch: Any,
-        forward_prefetch: bool,
-        limit_all_gathers: bool,
-        use_orig_params: bool,
-        param_persistence_threshold: int,
-        mixed_precision: Any,
-    ) -> None:
-        """Validate the constructor's options and keep them (FSDP's attribute names)."""
-        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
-        self.backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
-        self.forward_prefetch = check_bool("forward_prefetch", forward_prefetch)
         # Kept for FSDP's attribute names; what shardwrap does instead: [Note: FSDP1
         # arguments not acted on] in build/unused_args.py.
         self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
         self.use_orig_params = check_bool("use_orig_params", use_orig_params)
         note_unused_args(limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params)
-        # Units under this many elements stay whole on every rank ([Note: parameter persistence]).
-        self.param_persistence_threshold = check_threshold(param_persistence_threshold)
-        self.mixed_precision = MixedPrecision.parse(mixed_precision)
-
-    def _start_runtime(
-        self, world: Communicator, new_units: list[Unit], full_precision: list[nn.Module]
-    ) -> None:
-        """Make the step runtime, register the root, and hook the new units."""
-        schedule = Schedule(
-            forward_prefetch=self.forward_prefetch, backward_prefetch=self.backward_prefetch
+        options = WrapOptions(
+            sharding_strategy=sharding_strategy,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+            param_persistence_threshold=param_persistence_threshold,
+            comm_quantization=comm_quantization,
+            auto_wrap_policy=auto_wrap_policy,
+            ignored=resolve_ignored(ignored_modules, ignored_states, module),
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            process_group=process_group,
+            device_mesh=device_mesh,
         )
-        self._runtime = StepRuntime(self._units, world, schedule)
-        # [Note: hooks outside the compiled graph] in base/compiler.py
-        self._begin_forward = run_eagerly(self._runtime.begin_forward)
-        registry.add_root(self, self.module, self._runtime)
-        for unit in self._units:  # [Note: units as FSDP instances]
-            if unit.module is not self.module:
-                as_fsdp_unit(unit.module)
-        for unit in new_units:
-            hooks.register(unit)
-        full_ids = {id(m) for m in full_precision}
-        precision.install_casts(new_units, self.module, self.mixed_precision, full_ids)
+        self._attach(module, options)
+
+    @classmethod
+    def from_options(cls, module: nn.Module, options: WrapOptions) -> ShardedModule:
+        """Wrap ``module`` as ``options`` (parsed by another door) say; FSDP1's
+        ``limit_all_gathers`` and ``use_orig_params`` keep their defaults."""
+        wrapper = cls.__new__(cls)
+        nn.Module.__init__(wrapper)
+        wrapper.limit_all_gathers = wrapper.use_orig_params = True
+        wrapper._attach(module, options)
+        return wrapper
+
+    def _attach(self, module: nn.Module, options: WrapOptions) -> None:
+        """Build ``module``'s root (which this object holds) and adopt ``module``."""
+        self.register_load_state_dict_post_hook(ShardedModule._forget_inner_missing)
+        self._root: ShardRoot = build_root(module, options, holder=self)
+        self.module = module
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_forward()
+        self._root.begin_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no gradient communication) inside this context."""
-        with self._runtime.no_sync():
+        with self._root.runtime.no_sync():
             yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the full gradients' total norm to ``max_norm``; see :mod:`.grad_clip`."""
-        return grad_clip.clip_grad_norm_(self._runtime, self.parameters(), max_norm, norm_type)
+        runtime = self._root.runtime
+        return grad_clip.clip_grad_norm_(runtime, self.parameters(), max_norm, norm_type)
 
     def batch_weight(self, local_count: int) -> float:
         """Loss factor for unequal per-rank batch sizes; see :mod:`.batch_weight`."""
-        return batch_weight.batch_weight(self._runtime, local_count)
+        return batch_weight.batch_weight(self._root.runtime, local_count)
+
+    # ------------------------------------------ microbatches and schedule tuning
+    @doc_from(grad_sync.set_requires_gradient_sync)
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        grad_sync.set_requires_gradient_sync(self._root, requires_gradient_sync, recurse=recurse)
+
+    @doc_from(grad_sync.set_reshard_after_backward)
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        grad_sync.set_reshard_after_backward(self._root, reshard_after_backward, recurse=recurse)
+
+    @doc_from(grad_sync.set_is_last_backward)
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        grad_sync.set_is_last_backward(self._root, is_last_backward)
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        """What :meth:`set_requires_gradient_sync` (or ``no_sync``) set last."""
+        return self._root.runtime.sync_grads
+
+    @doc_from(tuning.set_reshard_after_forward)
+    def set_reshard_after_forward(self, reshard: bool, *, root_only: bool = True) -> None:
+        tuning.set_reshard_after_forward(self._root, reshard, root_only=root_only)
+
+    @doc_from(tuning.set_reduce_bucket_size)
+    def set_reduce_bucket_size(self, num_bytes: int) -> None:
+        tuning.set_reduce_bucket_size(self._root, num_bytes)
+
+    @doc_from(tuning.set_all_gather_bucket_size)
+    def set_all_gather_bucket_size(self, num_bytes: int) -> None:
+        tuning.set_all_gather_bucket_size(self._root, num_bytes)
+
+    @doc_from(fsdp1_methods.register_comm_hook)
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        fsdp1_methods.register_comm_hook(self._root, state, hook)
 
     summon_full_params = staticmethod(full_params.summon_full_params)
     register_forward_method = staticmethod(forward_methods.register_forward_method)
@@ -239,7 +211,7 @@ class ShardedModule(
         :class:`shardwrap.comm.collectives.CollectiveChecker`); a divergence raises on every rank
         instead of hanging. Costs one small object all-gather per collective."""
         checker = CollectiveChecker(timeout_s) if check_bool("enabled", enabled) else None
-        for comm in self._communicators():
+        for comm in self._root.communicators():
             comm.checker = checker
 
     @contextlib.contextmanager
@@ -251,27 +223,18 @@ class ShardedModule(
         finally:
             self.set_collective_checks(False)
 
-    def _communicators(self) -> list[Communicator]:
-        comms = [self._runtime.world_comm]
-        for unit in self._units:
-            if unit.handle is not None:
-                comms.append(unit.handle.shard_comm)
-                if unit.handle.replicate_comm is not None:
-                    comms.append(unit.handle.replicate_comm)
-        return comms
-
     # ------------------------------------------------------------ introspection
     @property
     def units(self) -> list[Unit]:
         """The units in wrap order (the root module's unit first)."""
-        return list(self._units)
+        return list(self._root.units)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[ShardedModule]:
         """Every FSDP instance in ``module``'s tree, roots and units, in module order
         (FSDP's name); only the roots when ``root_only``."""
         if root_only:
-            return [m for m in module.modules() if registry.is_root(m)]
+            return [m for m in module.modules() if is_root(m)]
         return [m for m in module.modules() if isinstance(m, ShardedModule)]
 
     def check_is_root(self) -> bool:
@@ -341,7 +304,6 @@ class ShardedModule(
     flatten_sharded_optim_state_dict = staticmethod(_fsdp1.flatten_sharded_optim_state_dict)
     rekey_optim_state_dict = staticmethod(fsdp1_rekey.rekey_optim_state_dict)
     apply = fsdp1_methods.apply
-    register_comm_hook = fsdp1_methods.register_comm_hook
 
     def __getattr__(self, name: str) -> Any:
         try:

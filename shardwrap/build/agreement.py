@@ -7,8 +7,6 @@ every rank reduces a digest of these entries, and a difference raises
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from ..comm.checks import Entries, check_agreement
@@ -51,17 +49,6 @@ def plan_entries(
                 (name, f"parameter {record.fqn!r} {list(param.shape)} {param.dtype} {kind}")
             )
     return [*units, (f"unit #{len(modules) + 1}", "no more units"), *params]
-
-
-def agreed_options(wrapper: Any) -> str:
-    """A ``ShardedModule``'s options that every rank must share, besides its units.
-
-    Only options that change which collectives run: ``limit_all_gathers`` and
-    ``use_orig_params`` change nothing ([Note: FSDP1 arguments not acted on]), so ranks
-    may differ in them.
-    """
-    offload = type(wrapper.cpu_offload).__name__ if wrapper.cpu_offload else "no offload"
-    return f"{wrapper.backward_prefetch}, forward_prefetch={wrapper.forward_prefetch}, {offload}"
 
 
 def check_plan(

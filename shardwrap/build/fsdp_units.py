@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..core.unit import Unit
-from ..runtime import registry
+from .root import own_unit
 
 # Original class -> its swapped subclass, so every unit of one class shares one class.
 _SWAPPED: dict[type, type] = {}
@@ -56,7 +56,7 @@ class FSDP1Attributes:
 
     @property
     def _fsdp_unit(self) -> Unit:
-        unit = registry.unit_of(self)  # type: ignore[arg-type]
+        unit = own_unit(self)  # type: ignore[arg-type]
         if unit is None:
             raise RuntimeError(f"{type(self).__name__}: no ShardedModule manages this module")
         return unit

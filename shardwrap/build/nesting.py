@@ -4,18 +4,18 @@ A ``ShardedModule`` built around a model that already holds ``ShardedModule`` ch
 (FSDP1's nested wrapping style) takes those children's units over as its own: the
 children disappear from the module tree, and their units' names become relative to the
 new root. A module that some other ``ShardedModule`` already manages cannot be wrapped
-again. Roots are found through the registry (``registry.is_root``), not by class: every
+again. Roots are found through the registry of roots (``root.is_root``), not by class: every
 unit's module is an instance of ``ShardedModule`` too ([Note: units as FSDP instances]).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from ..core.unit import Unit
+from ..policies import PolicyCallable
 from ..runtime import registry
+from .root import find_root, is_root
 
 
 def check_not_wrapped(module: object) -> None:
@@ -23,7 +23,7 @@ def check_not_wrapped(module: object) -> None:
     inside it are fine: they are adopted)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
-    if registry.is_root(module):
+    if is_root(module):
         raise ValueError("module: this module is already a ShardedModule (wrapped twice)")
     for name, sub in module.named_modules():
         if registry.is_managed(sub) and not _is_nested_root(module, sub):
@@ -35,12 +35,11 @@ def check_not_wrapped(module: object) -> None:
 
 def _is_nested_root(root: nn.Module, sub: nn.Module) -> bool:
     """Whether ``sub`` belongs to a ``ShardedModule`` sitting inside ``root`` (absorbable)."""
-    return any(
-        registry.is_root(m) and any(u.module is sub for u in m.units) for m in root.modules()
-    )
+    roots = (find_root(m) for m in root.modules())
+    return any(r is not None and any(u.module is sub for u in r.units) for r in roots)
 
 
-def absorb_nested(module: nn.Module, *, policy: Any = None) -> list[Unit]:
+def absorb_nested(module: nn.Module, *, policy: PolicyCallable | None = None) -> list[Unit]:
     """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
 
     The adopted units' names and parameter names become relative to ``module``. With an
@@ -50,7 +49,8 @@ def absorb_nested(module: nn.Module, *, policy: Any = None) -> list[Unit]:
     adopted: list[Unit] = []
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if registry.is_root(child):
+            nested = find_root(child)
+            if nested is not None:
                 if policy is not None:
                     path = f"{parent_name}.{child_name}" if parent_name else child_name
                     raise ValueError(
@@ -58,16 +58,11 @@ def absorb_nested(module: nn.Module, *, policy: Any = None) -> list[Unit]:
                         "FullyShardedDataParallel instance; wrap nested modules either by "
                         "hand or with a policy, not both"
                     )
-                nested: Any = child
                 path = f"{parent_name}.{child_name}" if parent_name else child_name
                 units = nested.units
-                runtime = registry.runtime_of(units[0])
-                if runtime is not None:
-                    runtime.remove_hooks()
+                nested.runtime.remove_hooks()
                 for unit in units:
-                    unit.name = f"{path}.{unit.name}" if unit.name else path
-                    if unit.handle is not None:
-                        unit.handle.rename(path)
+                    unit.rename(path)
                 adopted.extend(units)
                 parent._modules[child_name] = nested.module
     return adopted

@@ -3,7 +3,8 @@
 Wrapping replaces every managed parameter by this rank's shard view. An optimizer built
 from the original parameters would step tensors that no forward reads any more: training
 would silently do nothing. The original parameters are remembered (weakly) at wrap time,
-and a global optimizer step pre-hook raises if an optimizer still holds one.
+and every optimizer step (while any model lives: [Note: one optimizer-step dispatcher] in
+core/optimizer_step.py) raises if the optimizer still holds one.
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..core import optimizer_step
 
 # id -> original parameter replaced by wrapping; entries vanish with their parameters.
 _RETIRED: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
-_HOOK: list = []  # the one global step pre-hook, installed on first use
 
 
 def retire(params: list[nn.Parameter]) -> None:
-    """Remember ``params`` as replaced by shard views; install the step check once."""
+    """Remember ``params`` as replaced by shard views; check every optimizer step for them."""
     for param in params:
         _RETIRED[id(param)] = param
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+    optimizer_step.add_check(_check_optimizer)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

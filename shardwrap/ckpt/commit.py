@@ -12,58 +12,55 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from . import fragments, run_state
+from . import fragments
 from .entries import SavedPiece, group_pieces
 from .format import (
     INDEX_NAME,
     CheckpointIndex,
-    FileEntry,
     TensorEntry,
     check_coverage,
     index_bytes,
     remove_stale_files,
     write_atomic,
 )
+from .fragments import Described, Fragment
 from .optim_state import optimizer_class_name
+from .piece_records import RankReport, StateKind
 from .slots import ModelSlots
 
 
 def commit_index(
-    root: str, save_id: str, slots: ModelSlots, optimizer, reports: list[dict], extra, sampler
-) -> dict[str, Any]:
+    root: str,
+    save_id: str,
+    slots: ModelSlots,
+    optimizer,
+    reports: list[RankReport],
+    extra: Any,
+    meta: dict[str, Any],
+) -> None:
     """World rank 0, once every rank's file is durable: write the index, drop old files.
 
     The index describes the union of every rank's model ([Note: checkpoints of pipeline
-    stages]).
+    stages]); ``meta`` is what the state kinds add to its header (rank 0's own).
     """
     reports = fragments.without_replicas(reports)  # [Note: replicas the model cannot see]
     pieces = _collect_pieces(reports)
-    whole = fragments.merge(fragments.received([r["fragment"] for r in reports]))
-    params = {
-        name: _entry(name, tuple(shape), dtype, pieces[("param", name, None)], save_id)
-        for name, (shape, dtype) in whole["params"].items()
-    }
-    buffers = {
-        name: _entry(name, tuple(shape), dtype, pieces[("buffer", name, None)], save_id)
-        for name, (shape, dtype) in whole["buffers"].items()
-    }
+    whole = fragments.merge(fragments.received([r.fragment for r in reports]))  # type: ignore[misc]
     optim_state = param_groups = None
-    if whole["groups"] is not None:
-        optim_state, param_groups = _optimizer_entries(whole, pieces, save_id), whole["groups"]
-    files = {
-        r["file"]: FileEntry.from_json(r["file"], r["file_entry"]) for r in reports if r["file"]
-    }
+    if whole.groups is not None:
+        optim_state, param_groups = _optimizer_entries(whole, pieces, save_id), whole.groups
+    files = {r.file: r.file_entry for r in reports if r.file and r.file_entry}
     index = CheckpointIndex(
         meta={
             "save_id": save_id,
             "world_size": slots.world_comm.size,
             "strategy": _strategy_name(slots),
             **({"optimizer_class": optimizer_class_name(optimizer)} if optimizer else {}),
-            run_state.META_KEY: run_state.index_record(sampler),
+            **meta,
         },
-        params=params,
-        aliases=whole["aliases"],
-        buffers=buffers,
+        params=_entries(StateKind.PARAM, whole.params, pieces, save_id),
+        aliases=whole.aliases,
+        buffers=_entries(StateKind.BUFFER, whole.buffers, pieces, save_id),
         optim_state=optim_state,
         param_groups=param_groups,
         files=files,
@@ -71,7 +68,6 @@ def commit_index(
     )
     write_atomic(root, INDEX_NAME, index_bytes(index))
     remove_stale_files(root, keep=set(files), save_id=save_id)
-    return {}
 
 
 def _strategy_name(slots: ModelSlots) -> str | None:
@@ -79,18 +75,28 @@ def _strategy_name(slots: ModelSlots) -> str | None:
     return handles[0].strategy.name if handles else None
 
 
-PieceMap = defaultdict[tuple[str, str, "str | None"], list[SavedPiece]]
+PieceMap = defaultdict[tuple[StateKind, str, "str | None"], list[SavedPiece]]
 
 
-def _collect_pieces(reports: list[dict]) -> PieceMap:
-    """Every rank's saved pieces by ``(kind, name, state)``."""
+def _collect_pieces(reports: list[RankReport]) -> PieceMap:
+    """Every rank's saved pieces by tensor: ``(kind, name, state)``."""
     pieces: PieceMap = defaultdict(list)
     for rank, report in enumerate(reports):
-        for kind, name, state, start, end, _, step, origin, at in report["records"]:
-            key = (f"{kind}/{name}" if state is None else f"{kind}/{name}/{state}") + at
-            saved = SavedPiece(rank, report["file"], key, start, end, step, origin)
-            pieces[(kind, name, state)].append(saved)
+        for record in report.records:
+            saved = SavedPiece(
+                rank, report.file, record.key, record.start, record.end, record.step, record.origin
+            )
+            pieces[record.tensor].append(saved)
     return pieces
+
+
+def _entries(
+    kind: StateKind, described: dict[str, Described], pieces: PieceMap, save_id: str
+) -> dict[str, TensorEntry]:
+    return {
+        name: _entry(name, d.shape, d.dtype, pieces[(kind, name, None)], save_id)
+        for name, d in described.items()
+    }
 
 
 def _entry(
@@ -103,17 +109,16 @@ def _entry(
 
 
 def _optimizer_entries(
-    whole: dict[str, Any], pieces: PieceMap, save_id: str
+    whole: Fragment, pieces: PieceMap, save_id: str
 ) -> dict[str, dict[str, Any]]:
     """Index entries of the optimizer state the merged fragments describe."""
     entries: dict[str, dict[str, Any]] = {}
-    for fqn, states in whole["state"].items():
+    for fqn, states in whole.state.items():
         for state, described in states.items():
-            if "value" in described:
-                entry: Any = {"value": described["value"]}
+            if not described.tensor:
+                entry: Any = {"value": described.value}
             else:
-                refs = pieces[("optim", fqn, state)]
-                shape = tuple(described["shape"])
-                entry = _entry(f"{fqn}/{state}", shape, described["dtype"], refs, save_id)
+                refs = pieces[(StateKind.OPTIM, fqn, state)]
+                entry = _entry(f"{fqn}/{state}", described.shape, described.dtype, refs, save_id)
             entries.setdefault(fqn, {})[state] = entry
     return entries

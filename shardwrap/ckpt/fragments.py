@@ -31,24 +31,90 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm.json_values import broadcast_json, gather_json
 from .format import CheckpointError, dtype_name
 from .optim_state import SHARDED, VALUE, hyperparameters, optimizer_slots, state_kind
+from .piece_records import RankReport, SentFragment
 from .slots import ModelSlots
 
 
-def fragment(slots: ModelSlots, optimizer: Any) -> dict[str, Any]:
-    """This rank's part of the index, as JSON values (see [Note: checkpoints of pipeline
-    stages])."""
-    result: dict[str, Any] = {
-        "params": {s.fqn: [list(s.shape), dtype_name(s.dtype)] for s in slots.slots},
-        "aliases": dict(slots.aliases),
-        "buffers": {n: [list(b.shape), dtype_name(b.dtype)] for n, b in slots.buffers.items()},
-        "groups": None,
-        "state": {},
-    }
+@dataclass(frozen=True, slots=True)
+class Described:
+    """A saved tensor's whole shape and dtype; or, for optimizer state that is no tensor
+    (``tensor`` false), its JSON ``value``."""
+
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    value: Any = None
+    tensor: bool = True
+
+    def to_json(self) -> Any:
+        if not self.tensor:
+            return {"value": self.value}
+        return [list(self.shape), self.dtype]
+
+    @staticmethod
+    def from_json(raw: Any) -> Described:
+        if isinstance(raw, dict):
+            return Described(value=raw["value"], tensor=False)
+        shape, dtype = raw
+        return Described(tuple(int(d) for d in shape), str(dtype))
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)} {self.dtype}" if self.tensor else f"value {self.value!r}"
+
+
+@dataclass(slots=True)
+class Fragment:
+    """One rank's part of the index (see [Note: checkpoints of pipeline stages]); also the
+    union of every rank's (:func:`merge`)."""
+
+    params: dict[str, Described] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> canonical name
+    buffers: dict[str, Described] = field(default_factory=dict)
+    groups: list[dict[str, Any]] | None = None  # hyperparameters + "params": [names]
+    state: dict[str, dict[str, Described]] = field(default_factory=dict)  # param -> state
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "params": {n: d.to_json() for n, d in self.params.items()},
+            "aliases": dict(self.aliases),
+            "buffers": {n: d.to_json() for n, d in self.buffers.items()},
+            "groups": self.groups,
+            "state": {
+                n: {k: d.to_json() for k, d in states.items()} for n, states in self.state.items()
+            },
+        }
+
+    @staticmethod
+    def from_json(raw: Any) -> Fragment:
+        def described(section: Any) -> dict[str, Described]:
+            return {str(n): Described.from_json(d) for n, d in section.items()}
+
+        try:
+            return Fragment(
+                described(raw["params"]),
+                {str(k): str(v) for k, v in raw["aliases"].items()},
+                described(raw["buffers"]),
+                None if raw["groups"] is None else list(raw["groups"]),
+                {str(n): described(states) for n, states in raw["state"].items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"a rank's model description is malformed: {exc!r}") from exc
+
+
+def fragment(slots: ModelSlots, optimizer: Any) -> Fragment:
+    """This rank's part of the index (see [Note: checkpoints of pipeline stages])."""
+    result = Fragment(
+        params={s.fqn: Described(tuple(s.shape), dtype_name(s.dtype)) for s in slots.slots},
+        aliases=dict(slots.aliases),
+        buffers={
+            n: Described(tuple(b.shape), dtype_name(b.dtype)) for n, b in slots.buffers.items()
+        },
+    )
     if optimizer is None:
         return result
     groups = []
@@ -60,49 +126,51 @@ def fragment(slots: ModelSlots, optimizer: Any) -> dict[str, Any]:
             for state, value in optimizer.state.get(slot.local, {}).items():
                 kind = state_kind(slot, state, value)
                 if kind == VALUE:
-                    entry: dict[str, Any] = {"value": value}
+                    entry = Described(value=value, tensor=False)
                 else:
-                    shape = list(slot.shape) if kind == SHARDED else []
-                    entry = {"shape": shape, "dtype": dtype_name(value.dtype)}
-                result["state"].setdefault(slot.fqn, {})[state] = entry
-    result["groups"] = groups
+                    shape = tuple(slot.shape) if kind == SHARDED else ()
+                    entry = Described(shape, dtype_name(value.dtype))
+                result.state.setdefault(slot.fqn, {})[state] = entry
+    result.groups = groups
     return result
 
 
-def to_send(slots: ModelSlots, part: dict[str, Any]) -> dict[str, Any]:
+def to_send(slots: ModelSlots, part: Fragment) -> SentFragment:
     """What a rank sends rank 0 of its fragment: the whole of it from the first
     data-parallel rank of each stage, only its digest from the others (whose fragment is
     their stage's: sending it whole made rank 0 receive the model's description once per
     rank)."""
-    text = json.dumps(part, sort_keys=True, default=repr)
+    raw = part.to_json()
+    text = json.dumps(raw, sort_keys=True, default=repr)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return {"digest": digest, "fragment": part if slots.leads else None}
+    return SentFragment(digest, raw if slots.leads else None)
 
 
-def received(sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def received(sent: list[SentFragment]) -> list[Fragment]:
     """The leading ranks' fragments, once every other rank's digest matches one of them."""
-    known = {s["digest"] for s in sent if s["fragment"] is not None}
+    known = {s.digest for s in sent if s.fragment is not None}
     for rank, part in enumerate(sent):
-        if part["digest"] not in known:
+        if part.digest not in known:
             raise CheckpointError(
                 f"rank {rank}: its model or optimizer (names, shapes, dtypes, param groups) "
                 "differs from that of the first data-parallel rank of every stage; every rank "
                 "must hold the same model (or disjoint pipeline stages of it)"
             )
-    return [s["fragment"] for s in sent if s["fragment"] is not None]
+    return [Fragment.from_json(s.fragment) for s in sent if s.fragment is not None]
 
 
-def merge(fragments: list[dict[str, Any]]) -> dict[str, Any]:
+def merge(fragments: list[Fragment]) -> Fragment:
     """The union of every rank's fragment; a name two ranks describe differently is an error."""
-    merged: dict[str, Any] = {"params": {}, "aliases": {}, "buffers": {}, "state": {}}
+    merged = Fragment()
     for rank, part in enumerate(fragments):
-        for key in ("params", "aliases", "buffers"):
-            _union(merged[key], part[key], key, rank)
-        for name, states in part["state"].items():
-            _union(merged["state"].setdefault(name, {}), states, f"optimizer state of {name}", rank)
-    with_optim = [(rank, p["groups"]) for rank, p in enumerate(fragments) if p["groups"]]
-    merged["groups"] = _merge_groups(with_optim) if with_optim else None
-    if merged["groups"] is not None and len(with_optim) != len(fragments):
+        _union(merged.params, part.params, "params", rank)
+        _union(merged.aliases, part.aliases, "aliases", rank)
+        _union(merged.buffers, part.buffers, "buffers", rank)
+        for name, states in part.state.items():
+            _union(merged.state.setdefault(name, {}), states, f"optimizer state of {name}", rank)
+    with_optim = [(rank, p.groups) for rank, p in enumerate(fragments) if p.groups]
+    merged.groups = _merge_groups(with_optim) if with_optim else None
+    if merged.groups is not None and len(with_optim) != len(fragments):
         raise CheckpointError("an optimizer was given on some ranks and not on others")
     return merged
 
@@ -159,15 +227,14 @@ def local_names(slots: ModelSlots) -> list[str]:
     return sorted({s.fqn for s in slots.slots} | set(slots.aliases) | set(slots.buffers))
 
 
-def without_replicas(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def without_replicas(reports: list[RankReport]) -> list[RankReport]:
     """``reports`` (by rank), with no records and no file for a rank whose records equal a
     lower rank's ([Note: replicas the model cannot see]); its fragment stays."""
     seen: set[tuple] = set()
     kept = []
     for report in reports:
-        records = tuple(map(tuple, report["records"]))
-        if records and records in seen:
-            report = {**report, "records": [], "file": None}
-        seen.add(records)
+        if report.records and report.records in seen:
+            report = report.without_pieces()
+        seen.add(report.records)
         kept.append(report)
     return kept

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..build.root import is_root
 from ..fsdp1_options import OptimStateKeyType
 from .slots import model_slots
 
@@ -63,7 +64,7 @@ def _mapped(mapping: dict, key: Any) -> Any:
 def _id_to_name(model: nn.Module, optim, optim_input) -> list[str]:
     """Parameter names in parameter-ID order."""
     name_of = {id(p): n for n, p in model.named_parameters()}
-    if hasattr(model, "units") and hasattr(model, "comm_ledger"):  # a ShardedModule
+    if is_root(model):  # a ShardedModule
         name_of.update({k: s.fqn for k, s in model_slots(model).by_param.items()})
     if optim is not None:
         params = [p for g in optim.param_groups for p in g["params"]]

@@ -10,12 +10,24 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from ..comm.json_values import all_gather_json
 from .format import CheckpointError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[T]):
+    """What one rank's step gave: its value, or its error as text for the other ranks."""
+
+    value: T | None = None
+    error: str | None = None
 
 
 def agree_on_id(comm, failed: bool) -> tuple[str, int]:
@@ -27,40 +39,49 @@ def agree_on_id(comm, failed: bool) -> tuple[str, int]:
 
 
 def settle(
-    comm, what: str, root: str, report: dict, undo=None, *, failures=None, purpose="checkpoint"
+    comm,
+    what: str,
+    root: str,
+    error: str | None,
+    undo: Callable[[], None] | None = None,
+    *,
+    failures: int | None = None,
+    purpose: str = "checkpoint",
 ) -> None:
-    """Raise on every rank if any rank failed; error details travel only on failure.
+    """Raise on every rank if any rank failed (``error``: this rank's, or None); error
+    details travel only on failure.
 
     A 4-byte all-reduce says whether any rank failed (unless ``failures`` already says);
     only then does every rank share its error text.
     """
     if failures is None:
-        flag = torch.tensor([1 if report["error"] else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if error else 0], dtype=torch.int32)
         comm.all_reduce(flag, purpose=purpose).wait()
         failures = int(flag)
     if failures:  # error texts as JSON: [Note: no pickle between ranks] in comm/json_values.py
-        errors = all_gather_json(comm, report["error"], purpose=purpose)
-        raise_failures(what, root, [{"error": e} for e in errors], undo)
+        raise_failures(what, root, all_gather_json(comm, error, purpose=purpose), undo)
 
 
-def check_json(argument: str, value: Any) -> dict[str, Any]:
+def check_json(argument: str, value: Any) -> None:
     try:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{argument}: must be JSON-serialisable ({exc})") from exc
-    return {}
 
 
-def guarded(action) -> dict[str, Any]:
-    """Run ``action``; return its result dict, or the error as text for the other ranks."""
+def guarded(action: Callable[[], T]) -> Outcome[T]:
+    """Run ``action``; its result, or the error as text for the other ranks."""
     try:
-        return {"error": None, **action()}
+        return Outcome(value=action())
     except Exception as exc:  # noqa: BLE001 - every rank must learn about every failure
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return Outcome(error=f"{type(exc).__name__}: {exc}")
 
 
-def raise_failures(what: str, root: str, reports: list[dict[str, Any]], undo=None) -> None:
-    failed = [(rank, r["error"]) for rank, r in enumerate(reports) if r["error"]]
+def raise_failures(
+    what: str, root: str, errors: list[str | None], undo: Callable[[], None] | None = None
+) -> None:
+    """Raise one error naming every failing rank (``errors``: by rank, None for success)."""
+    failed = [(rank, error) for rank, error in enumerate(errors) if error]
     if failed and undo is not None:
         undo()
     if failed:

@@ -55,11 +55,11 @@ def load_pretrained(model: Any, path: str | os.PathLike, *, strict: bool = True)
     slots = model_slots(model)
     # Other pipeline stages' names ([Note: checkpoints of pipeline stages]).
     elsewhere = names_held_elsewhere(slots, [every_name(slots)])
-    report = guarded(lambda: _load(root, slots, strict, elsewhere))
-    settle(slots.world_comm, "load_pretrained", root, report, purpose="load_pretrained")
+    outcome = guarded(lambda: _load(root, slots, strict, elsewhere))
+    settle(slots.world_comm, "load_pretrained", root, outcome.error, purpose="load_pretrained")
 
 
-def _load(root: str, slots, strict: bool, elsewhere: set[str]) -> dict[str, Any]:
+def _load(root: str, slots, strict: bool, elsewhere: set[str]) -> None:
     files = weight_files(root)
     names_of = {s.fqn: [s.fqn] for s in slots.slots}
     for alias, canonical in slots.aliases.items():
@@ -84,7 +84,6 @@ def _load(root: str, slots, strict: bool, elsewhere: set[str]) -> dict[str, Any]
             if name in files:
                 handle = handles.setdefault(files[name], safe_open(files[name], framework="pt"))
                 buffer.copy_(_checked(name, handle.get_tensor(name), tuple(buffer.shape)))
-    return {}
 
 
 def _checked(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch
 
 from ..base.validate import unique_keys
 from .format import CheckpointError, write_atomic
+from .piece_records import KindLoad, LoadContext, PlannedRead, SaveContext, Saved
 
 META_KEY = "run_state"
 RUN_FORMAT = "shardwrap-run-state"
@@ -166,6 +167,13 @@ def write_run_file(root: str, save_id: str, rank: int, world_size: int, sampler:
     return name
 
 
+def save_run(ctx: SaveContext) -> Saved:
+    """:attr:`StateKind.RUN`'s save: this rank's run file, and the index's record of them."""
+    comm = ctx.slots.world_comm
+    run_file = run_file_bytes(ctx.save_id, comm.rank, comm.size, ctx.sampler)
+    return Saved(files=[run_file], meta={META_KEY: index_record(ctx.sampler)})
+
+
 def run_file_bytes(save_id: str, rank: int, world_size: int, sampler: Any) -> tuple[str, bytes]:
     """This rank's run record as of now (generators, data position): its name and bytes."""
     data = sampler.state_dict() if sampler is not None else None
@@ -262,3 +270,40 @@ def read_for_load(
             f"run state {data_record.path}: key 'data' is null (saved without sampler=)"
         )
     return RunRestore(own, base), data_record.data
+
+
+class RunLoad(KindLoad):
+    """:attr:`StateKind.RUN`'s load: the data position on trial at the check (put back if
+    any rank fails), the random streams once every rank has loaded."""
+
+    def __init__(self) -> None:
+        self.restore: RunRestore | None = None  # what restores the random streams, at the end
+        self.data: Any = None  # the sampler's saved position
+        self.before: Any = None  # the sampler's state before the trial, to put back
+
+    def check(self, ctx: LoadContext) -> list[PlannedRead]:
+        if not ctx.restore_rng and ctx.sampler is None:
+            return []
+        comm = ctx.slots.world_comm
+        restore, self.data = read_for_load(
+            ctx.root, ctx.index.meta, comm.rank, comm.size, ctx.sampler
+        )
+        self.restore = restore if ctx.restore_rng else None
+        return []
+
+    def trial(self, ctx: LoadContext) -> None:
+        if ctx.sampler is not None and callable(getattr(ctx.sampler, "state_dict", None)):
+            self.before = ctx.sampler.state_dict()
+            ctx.sampler.load_state_dict(self.data)
+
+    def undo(self, ctx: LoadContext) -> None:
+        if self.before is not None:
+            ctx.sampler.load_state_dict(self.before)
+
+    def copy(self, ctx: LoadContext) -> None:
+        if ctx.sampler is not None and self.before is None:  # no state_dict(): set it now
+            ctx.sampler.load_state_dict(self.data)
+
+    def finish(self, ctx: LoadContext) -> None:
+        if self.restore is not None:
+            self.restore.restore_rng(ctx.slots.world_comm.rank)

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..build.root import root_of
 from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..core.tensor_parallel import TPSpec
 from ..flat_param import FlatParamHandle
 from ..layout.blocks import block_runs
-from ..runtime import registry
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,23 +115,22 @@ def world_communicator(model: nn.Module) -> Communicator:
     parallel group, and a checkpoint spans every stage ([Note: checkpoints of pipeline
     stages] in fragments.py).
     """
+    root = root_of(model)
     if collectives.is_initialized():
-        return Communicator(collectives.default_group(), model.comm_ledger)
-    return Communicator(model._runtime.world_comm.group, model.comm_ledger)
+        return Communicator(collectives.default_group(), root.comm_ledger)
+    return Communicator(root.runtime.world_comm.group, root.comm_ledger)
 
 
 def model_slots(model: nn.Module) -> ModelSlots:
     """The slots of ``model`` (a ``ShardedModule``) on this rank."""
-    if not hasattr(model, "units") or not hasattr(model, "comm_ledger"):
-        raise TypeError(f"model: expected a ShardedModule, got {type(model).__name__}")
+    root = root_of(model)
     world_comm = world_communicator(model)
-    runtime = registry.runtime_of(model.units[0]) if model.units else None
     slots: list[ParamSlot] = []
     by_param: dict[int, ParamSlot] = {}
     handles = [u.handle for u in model.units if u.handle is not None]
     lead = _tp_lead(handles)
     # The first data-parallel rank of its stage, and of its tensor-parallel replicas.
-    leads = lead and (runtime.world_comm if runtime is not None else world_comm).rank == 0
+    leads = lead and root.runtime.world_comm.rank == 0
     for handle in handles:
         for slot in _handle_slots(handle, lead):
             slots.append(slot)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from ..build.root import holders_in
 from ..flat_param import FlatParamHandle
 from ..fsdp1_options import parse_state_dict_type
 from ..options import FullStateDictConfig, ShardedStateDictConfig, StateDictType
@@ -97,7 +98,7 @@ def state_dict_type(
 
 
 def _roots(module: nn.Module) -> list[nn.Module]:
-    return [m for m in module.modules() if hasattr(m, "units") and hasattr(m, "comm_ledger")]
+    return holders_in(module)
 
 
 # ------------------------------------------------------------------ model state dicts

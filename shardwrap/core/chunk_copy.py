@@ -46,3 +46,23 @@ def copy_out(layout: ChunkLayout, gathered: torch.Tensor, flat_full: torch.Tenso
         ]
         if parts:
             torch.cat(parts, out=flat_full[info.offset : info.end])
+
+
+def landing_for(layout: FlatLayout | ChunkLayout, flat_full: torch.Tensor) -> torch.Tensor | None:
+    """Where an all-gather of ``layout``'s shards lands: ``None`` when the shards are
+    slices of ``flat_full`` (they land in place), else a separate 1D buffer of
+    ``gathered_numel`` elements that :func:`copy_out` empties into ``flat_full``."""
+    if layout.shards_are_contiguous:
+        return None
+    return flat_full.new_empty(layout.gathered_numel)  # type: ignore[union-attr]
+
+
+def place_gathered(
+    layout: FlatLayout | ChunkLayout, full_by_rank: torch.Tensor, flat_full: torch.Tensor
+) -> None:
+    """Write a fused all-gather's result (``(num_shards, shard_numel)``, rank r's shard in
+    row r) into ``flat_full`` in parameter order."""
+    if layout.shards_are_contiguous:
+        flat_full.view(layout.num_shards, -1).copy_(full_by_rank)
+    else:
+        copy_out(layout, full_by_rank.contiguous(), flat_full)  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 """One unit: a wrapped module, its flat parameter handle, and where it is in a step.
 
-The hooks that move a unit between states are in ``hooks.py``; a step's bookkeeping across
-units in ``runtime/step.py``.
+The step runtime (``runtime/step.py``) decides when a unit moves; the unit changes its own
+fields, through the methods below, and checks that each move is one its state machine has.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class Unit:
         self.module = module
         self.handle = handle
         self.strategy = strategy
-        self.state = TrainingState.IDLE  # written only by the transitions below
+        # Every field below is written only by this class's methods.
+        self.state = TrainingState.IDLE
         # Forwards of this unit in progress: a registered method (``generate``) that calls
         # ``forward`` nests them; only the outermost one reshards.
         self.forward_depth = 0
@@ -62,6 +63,38 @@ class Unit:
         if self.reshard_after_forward_override is not None:
             return self.reshard_after_forward_override and self.strategy.free_after_backward
         return self.strategy.reshard_after_forward
+
+    # ------------------------------------------------------------ its own fields
+    def set_reshard_after_forward(self, reshard: bool) -> None:
+        """Override the strategy's reshard after forward (``set_reshard_after_forward``)."""
+        self.reshard_after_forward_override = reshard
+
+    def enter_forward(self) -> None:
+        """A forward of this unit starts (possibly inside another one of its own)."""
+        self.forward_depth += 1
+
+    def leave_forward(self) -> bool:
+        """A forward of this unit ends; whether it was the outermost one."""
+        self.forward_depth = max(self.forward_depth - 1, 0)
+        return self.forward_depth == 0
+
+    def clear_forward_depth(self) -> None:
+        """A new root forward: a forward that raised never ran its post-forward."""
+        self.forward_depth = 0
+
+    def rename(self, prefix: str) -> None:
+        """Prefix the unit's name and its parameters' (an enclosing root adopted it)."""
+        self.name = f"{prefix}.{self.name}" if self.name else prefix
+        if self.handle is not None:
+            self.handle.rename(prefix)
+
+    def add_hook_handle(self, handle: Any) -> None:
+        """Keep one of its module's forward hooks, for :meth:`remove`."""
+        self.hook_handles.append(handle)
+
+    def set_expects_backward(self, expects: bool) -> None:
+        """Whether backward may reach (and gather) the unit this step."""
+        self.expects_backward = expects
 
     # ------------------------------------------------------------ transitions
     # Each moves the unit from the states listed to the next one, and raises (naming the

@@ -5,7 +5,7 @@ FULL_SHARD. ``engine.backward`` scales the loss by ``1 / gradient_accumulation_s
 and skips gradient communication (``no_sync``) until the accumulation boundary;
 ``engine.step`` acts only at the boundary: clip, optimizer step, scheduler step, zero
 the gradients. Checkpoints go through :mod:`shardwrap.checkpoint` (see
-:mod:`shardwrap.deepspeed.checkpoint`).
+:mod:`shardwrap.deepspeed.engine_checkpoint`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from ..comm.collectives import Communicator
 from ..features.summon import units_of
 from ..runtime.step import reduce_deferred_grads_for
 from ..wrap import ShardedModule
-from . import checkpoint as engine_checkpoint
-from . import front_door
+from . import engine_checkpoint, top_level_api
 from .config import DeepSpeedConfig
+from .engine_parts import DISK_OPTIMIZERS, attach_optimizer, build_scheduler, wrap_model
 from .loss_scaler import LossScaler
-from .setup import DISK_OPTIMIZERS, attach_optimizer, build_scheduler, wrap_model
 
 
 def initialize(
@@ -60,7 +59,7 @@ def initialize(
     data-parallel size is the world size. ``mpu`` and ``mesh_param`` (model parallelism)
     are refused.
     """
-    config = front_door.config_from(args, config, config_params)
+    config = top_level_api.config_from(args, config, config_params)
     if model is None or not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if mpu is not None or mesh_param is not None:

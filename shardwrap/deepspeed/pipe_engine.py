@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import Schedule1F1B
 
+from ..build.root import root_of
 from ..comm import collectives, launch
 from ..comm.collectives import Communicator
 from ..features.grad_clip import sharded_grad_norm
@@ -27,17 +28,17 @@ from ..features.pipeline_stage import ShardedPipelineStage
 from ..planner.estimate import STAGE_STRATEGIES
 from ..policies import lambda_auto_wrap_policy
 from ..wrap import ShardedModule
-from . import front_door
+from . import top_level_api
 from .config import DeepSpeedConfig
 from .engine import ShardedEngine
-from .pipe_module import PipelineModule
-from .setup import (
+from .engine_parts import (
     apply_buckets,
     attach_optimizer,
     build_scheduler,
     comm_quantization_of,
     mixed_precision_of,
 )
+from .pipe_module import PipelineModule
 from .zero import OffloadDevice
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_ (and grad_clip.py)
@@ -50,7 +51,7 @@ def initialize_pipeline(model: PipelineModule, **arguments: Any):
             raise ValueError(
                 f"{name}: not supported with a PipelineModule (give the optimizer in the config)"
             )
-    config = front_door.config_from(
+    config = top_level_api.config_from(
         arguments.get("args"), arguments.get("config"), arguments.get("config_params")
     )
     launch.init_distributed(dist_init_required=arguments.get("dist_init_required"))
@@ -175,7 +176,8 @@ class PipelineEngine(ShardedEngine):
 
     def _clip(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage's gradients, as the whole model's would be."""
-        total, grads = sharded_grad_norm(self.module._runtime, self.module.parameters(), 2.0)
+        runtime = root_of(self.module).runtime
+        total, grads = sharded_grad_norm(runtime, self.module.parameters(), 2.0)
         squared = total.pow(2).reshape(1)
         self._pp_comm.all_reduce(squared, purpose="grad_norm").wait()
         norm = squared.sqrt()[0]

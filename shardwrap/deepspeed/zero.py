@@ -1,6 +1,6 @@
 """The ``zero_optimization`` block of a DeepSpeed config: stage, offload, buckets, ZeRO++.
 
-``setup.py`` maps the result onto ``ShardedModule``; the keys not acted on are listed, with
+``engine_parts.py`` maps the result onto ``ShardedModule``; the keys not acted on are listed, with
 what shardwrap does instead, in ``unused.py``.
 """
 
@@ -63,7 +63,7 @@ class ZeroConfig:
 
 
 # [Note: bucket sizes]
-# DeepSpeed's bucket keys count elements; shardwrap's buckets count bytes (setup.py converts
+# DeepSpeed's bucket keys count elements; shardwrap's buckets count bytes (engine_parts.py converts
 # with the reduction's and the gathered parameters' element sizes). They are applied only
 # when the config gives them, as stage3_param_persistence_threshold is, so a config without
 # them keeps shardwrap's own defaults: DeepSpeed's 5e8 elements would make the whole model

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from .. import hooks
+from ..build.root import find_root
 from ..runtime import registry
 
 
@@ -25,9 +26,9 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     """
     if not isinstance(method_name, str):
         raise TypeError(f"method_name: expected a str, got {method_name!r}")
-    wrapped = registry.wrapped_module(module)
-    root = module if wrapped is not None else None
-    inner = wrapped if wrapped is not None else module
+    root = find_root(module)
+    wrapper = module if root is not None else None
+    inner = root.module if root is not None else module
     unit = registry.unit_of(inner)
     runtime = registry.runtime_of(unit) if unit is not None else None
     if unit is None or runtime is None:
@@ -38,7 +39,7 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def gathered(*args: Any, **kwargs: Any) -> Any:
-        if root is not None:
+        if wrapper is not None:
             runtime.begin_forward()
         args, kwargs = hooks.pre_forward(unit, runtime, inner, args, kwargs)
         output = method(*args, **kwargs)
@@ -46,5 +47,5 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     # Instance attributes shadow the class's method; the original stays reachable there.
     object.__setattr__(inner, method_name, gathered)
-    if root is not None:
-        object.__setattr__(root, method_name, gathered)
+    if wrapper is not None:
+        object.__setattr__(wrapper, method_name, gathered)

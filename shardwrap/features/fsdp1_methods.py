@@ -1,4 +1,8 @@
-"""FSDP1's instance methods that ``ShardedModule`` takes over: ``apply``, ``register_comm_hook``."""
+"""FSDP1's instance methods that ``ShardedModule`` takes over: ``apply``, ``register_comm_hook``.
+
+``apply`` takes the ``ShardedModule`` (it walks the module tree); ``register_comm_hook``
+the root whose units' reductions the hook would replace.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 from torch import nn
 
 from ..base.warn_once import warn_once
+from ..build.root import ShardRoot
 from ..comm import collectives
 from .summon import summon_full_params
 
@@ -26,7 +31,7 @@ def apply(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
         return nn.Module.apply(self, fn)
 
 
-def register_comm_hook(self: nn.Module, state: object, hook: Callable[..., Any]) -> None:
+def register_comm_hook(root: ShardRoot, state: object, hook: Callable[..., Any]) -> None:
     """Accept torch's default FSDP hooks (shardwrap's own reduction); refuse the others.
 
     ``allreduce_hook``/``reduce_scatter_hook`` are what every unit already does: sum over
@@ -43,7 +48,7 @@ def register_comm_hook(self: nn.Module, state: object, hook: Callable[..., Any])
     module = getattr(hook, "__module__", "")
     name = getattr(hook, "__name__", repr(hook))
     if module == _HOOK_MODULE and name in _DEFAULT_HOOKS:
-        _check_default_state(self, name, state)
+        _check_default_state(root, name, state)
         return
     if module == _HOOK_MODULE and name in _COMPRESS_HOOKS:
         dtype = _COMPRESS_HOOKS[name]
@@ -58,7 +63,7 @@ def register_comm_hook(self: nn.Module, state: object, hook: Callable[..., Any])
     )
 
 
-def _check_default_state(root: nn.Module, name: str, state: object) -> None:
+def _check_default_state(root: ShardRoot, name: str, state: object) -> None:
     """``state`` asks for the average over the model's data-parallel ranks (or is None)."""
     if state is None:
         return
@@ -70,7 +75,7 @@ def _check_default_state(root: nn.Module, name: str, state: object) -> None:
             f"register_comm_hook({name}): state: expected None or torch's DefaultState, "
             f"got {type(state).__name__}"
         )
-    handles = [u.handle for u in root._units if u.handle is not None]  # type: ignore[attr-defined]
+    handles = [u.handle for u in root.units if u.handle is not None]
     if not handles:
         return
     size = handles[0].grads.data_parallel_size

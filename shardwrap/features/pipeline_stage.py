@@ -29,7 +29,7 @@ from typing import Any
 
 from torch.distributed.pipelining import PipelineStage
 
-from ..runtime import registry
+from ..build.root import is_root
 
 
 class ShardedPipelineStage(PipelineStage):
@@ -37,7 +37,7 @@ class ShardedPipelineStage(PipelineStage):
     torch's); use it wherever torch's schedules take a ``PipelineStage``."""
 
     def __init__(self, submodule: Any, stage_index: int, num_stages: int, device: Any, **kw):
-        if not registry.is_root(submodule):
+        if not is_root(submodule):
             raise TypeError(
                 f"submodule: expected a ShardedModule (the stage's module wrapped over its "
                 f"data-parallel group), got {type(submodule).__name__}"

@@ -19,18 +19,18 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..build.root import own_unit
 from ..comm import collectives
 from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle, ShardedState
 from ..runtime import registry
+from ..runtime.step import regather
 
 
 def units_of(module: nn.Module, recurse: bool) -> list[Unit]:
     """The units ``module`` owns: its own (``recurse=False``) or all in its subtree."""
-    wrapped = registry.wrapped_module(module)
-    top = wrapped if wrapped is not None else module
     if not recurse:
-        unit = registry.unit_of(top)
+        unit = own_unit(module)
         if unit is None:
             raise ValueError(
                 f"module: {type(module).__name__} is not a ShardedModule or a wrapped unit"
@@ -38,7 +38,7 @@ def units_of(module: nn.Module, recurse: bool) -> list[Unit]:
         return [unit]
     found: dict[int, Unit] = {}
     for sub in module.modules():
-        unit = registry.unit_of(sub)
+        unit = own_unit(sub)
         if unit is not None:
             found.setdefault(id(unit), unit)
     if not found:
@@ -149,7 +149,7 @@ class _Summon:
         unsharded = handle.state is ShardedState.UNSHARDED
         handle.show_params(handle.full_params if unsharded else handle.shard_params)
         if unsharded and self.writeback:
-            handle.unshard()  # the shown full views must reflect the edits
+            regather(handle)  # the shown full views must reflect the edits
 
 
 def _attach_full_grads(handle: FlatParamHandle, shown: list[nn.Parameter]) -> None:

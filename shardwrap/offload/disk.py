@@ -32,10 +32,10 @@ released with them; the buffer the gradients lie in is then no longer the kept o
 
 [Note: optimizer state on disk]
 torch's Adam/AdamW create their state lazily (zeros and a step counter) on the first
-step a parameter has a gradient. A step pre-hook on the optimizer (registered the first
-time it steps our shards, so it runs after every global pre-hook) creates that state
-beforehand, for the same parameters, as views into one mapped buffer per unit and state
-name, laid out like the shard, so the optimizer computes exactly what it would in
+step a parameter has a gradient. The optimizer's step pre-hook ([Note: one
+optimizer-step dispatcher] in core/optimizer_step.py) creates that state beforehand, for
+the same parameters, as views into one mapped buffer per unit and state name, laid out
+like the shard, so the optimizer computes exactly what it would in
 memory. A slot the store has not handed out before is still the file's zeros and is not
 written (writing would make every page resident). Other optimizers' state would stay in
 memory, so they are refused. With more than ``sub_group_size`` elements to step, the step
@@ -53,13 +53,11 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from ..base.pages import is_file_backed, release_resident
+from ..core import optimizer_step
 from ..core.grad_buffers import held_only_by
+from ..core.optimizer_step import Phase
 from ..flat_param import FlatParamHandle, holds_shards_of
 from .disk_step import StreamedStep
 
@@ -109,8 +107,6 @@ class DiskStore:
         self._mapped: list[torch.Tensor] = []  # every mapped buffer, for release_pages
         # Reduced gradients, one buffer per unit, reused while free ([Note: gradients on disk]).
         self._grad_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._hook = None
-        self._release_hook = None
         # The streamed step of each optimizer seen stepping our shards.
         self._streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._finalizer = weakref.finalize(self, _remove_directory, self.directory)
@@ -159,32 +155,17 @@ class DiskStore:
         self.handles = [h for h in handles if h is not None]
         for handle in self.handles:
             handle.grads.keep_reduced_in(self)
-        ref = weakref.ref(self)
+        optimizer_step.join(self, _owns, _STEP_ACTIONS)  # [Note: one optimizer-step dispatcher]
 
-        def before_step(optimizer, args, kwargs):
-            store = ref()
-            if store is not None:
-                store.watch(optimizer)
+    def watch(self, optimizer: torch.optim.Optimizer) -> StreamedStep:
+        """The streamed step of ``optimizer``, which steps our shards (made on its first step).
 
-        def after_step(optimizer, args, kwargs):
-            store = ref()
-            if store is not None and holds_shards_of(optimizer, store.handles):
-                store.release_pages()
-
-        self._hook = register_optimizer_step_pre_hook(before_step)
-        self._release_hook = register_optimizer_step_post_hook(after_step)
-        self._finalizer = weakref.finalize(
-            self, _detach, (self._hook, self._release_hook), self.directory
-        )
-
-    def watch(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hook ``optimizer`` (once) if it steps our shards: state on disk, streamed step.
-
-        Its own step hooks run after every global one (a ZeRO-1 reduction among them), so
-        the gradients are in place; see [Note: a streamed optimizer step].
+        Run after the ZeRO-1 reduction ([Note: one optimizer-step dispatcher]), so the
+        gradients are in place; see [Note: a streamed optimizer step].
         """
-        if optimizer in self._streams or not holds_shards_of(optimizer, self.handles):
-            return
+        streamed = self._streams.get(optimizer)
+        if streamed is not None:
+            return streamed
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             raise ValueError(
                 f"DiskOffload: keeps optimizer state on disk for Adam and AdamW only, got "
@@ -192,17 +173,20 @@ class DiskStore:
             )
         streamed = StreamedStep(optimizer, self.sub_group_size)
         self._streams[optimizer] = streamed
-        ref = weakref.ref(self)
+        return streamed
 
-        def before_step(optimizer, args, kwargs):
-            store = ref()
-            if store is not None:
-                store.place_state(optimizer)
-                owned = {id(p) for h in store.handles for p in h.shard_params}
-                streamed.before_step(optimizer, owned, args, kwargs)
+    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Place ``optimizer``'s state of our shards on disk, then stream their step."""
+        streamed = self.watch(optimizer)
+        self.place_state(optimizer)
+        owned = {id(p) for h in self.handles for p in h.shard_params}
+        streamed.before_step(optimizer, owned, args, kwargs)
 
-        optimizer.register_step_pre_hook(before_step)
-        optimizer.register_step_post_hook(lambda optimizer, args, kwargs: streamed.after_step())
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give back the gradients the streamed step hid from ``optimizer``'s real step."""
+        streamed = self._streams.get(optimizer)
+        if streamed is not None:
+            streamed.after_step()
 
     def num_sub_groups(self, optimizer: torch.optim.Optimizer) -> int:
         """How many sub-groups ``optimizer``'s last step of our shards ran in (0: none yet)."""
@@ -250,10 +234,18 @@ class DiskStore:
         return self._state_buffers[key]
 
 
-def _detach(hooks, directory: str) -> None:
-    for hook in hooks:
-        hook.remove()
-    _remove_directory(directory)
+def _owns(store: DiskStore, optimizer: torch.optim.Optimizer) -> bool:
+    return holds_shards_of(optimizer, store.handles)
+
+
+# What a store does around the step of an optimizer that steps its shards.
+_STEP_ACTIONS = {
+    Phase.PLACE_STATE: lambda store, optimizer, args, kwargs: store.before_step(
+        optimizer, args, kwargs
+    ),
+    Phase.RESTORE_GRADS: lambda store, optimizer, args, kwargs: store.after_step(optimizer),
+    Phase.RELEASE_PAGES: lambda store, optimizer, args, kwargs: store.release_pages(),
+}
 
 
 __all__ = ["DiskStore", "check_offload_path", "is_file_backed"]

@@ -22,8 +22,8 @@ start where the whole parameter's vectors start: pieces are cut at multiples of
 state and a copy of its step count taken before any piece stepped; the stepped count is
 written back.
 
-The pre-hook runs after every global step pre-hook (it is registered on the optimizer),
-so a ZeRO-1 gradient reduction done in a global pre-hook has happened by then. A
+The pre-hook runs after ZeRO-1's reduction of what ``no_sync`` left ([Note: one
+optimizer-step dispatcher] in core/optimizer_step.py), so the gradients are final. A
 ``closure`` cannot be honoured: it would have to run before the first sub-group, and its
 loss is what ``step`` returns; a streamed step with one is refused.
 """

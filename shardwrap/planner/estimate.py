@@ -62,7 +62,7 @@ from ..layout.persistence import check_threshold
 from ..options import ShardingStrategy
 from .secondary import CATEGORY, check_hpz, hpz_numel
 from .shards import worst_trainable_shard
-from .sizes import ModelSizes, model_sizes
+from .unit_sizes import ModelSizes, model_sizes
 
 STAGE_STRATEGIES = {
     0: ShardingStrategy.NO_SHARD,

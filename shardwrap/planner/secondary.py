@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from ..options import ShardingStrategy
-from .sizes import ModelSizes
+from .unit_sizes import ModelSizes
 
 CATEGORY = "hpz_secondary"
 

@@ -1,10 +1,11 @@
-"""Which units and runtimes are live: the one registry of wrapped state.
+"""Which units and runtimes are live: the registry of wrapped units.
 
-A module becomes a unit once (``ShardedModule`` records it here, which catches wrapping it
-twice); each root's ``StepRuntime`` is recorded against its units, so that code holding a
-module (``summon_full_params``, ``register_forward_method``) or only an optimizer (a grad
-scaler) finds the runtime without reaching into ``ShardedModule``. Handles inside an
-active ``summon_full_params`` are recorded too, so a nested summon leaves them alone.
+A module becomes a unit once (the composition root records it here, which catches
+wrapping it twice); each root's ``StepRuntime`` is recorded against its units, so that code
+holding a module (``summon_full_params``, ``register_forward_method``) or a unit (the
+hooks) finds the runtime. Handles inside an active ``summon_full_params`` are recorded
+too, so a nested summon leaves them alone. The roots themselves are recorded one layer
+up, with the root object they hold (``build/root.py``).
 Every table holds its keys weakly, and values that refer back to their keys (a unit
 holds its module, a runtime its units) weakly too: a model that is dropped leaves no
 entry behind and is freed with its optimizer hooks, not kept until the process ends.
@@ -13,41 +14,26 @@ entry behind and is freed with its optimizer hooks, not kept until the process e
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 from torch import nn
 
 from ..core.unit import Unit
 from ..flat_param import FlatParamHandle
-
-# A root's ``runtime.step.StepRuntime``; typed loosely here because the runtime imports this
-# module (registering itself), and the import may only go one way.
-StepRuntime = Any
+from .step import StepRuntime
 
 # The unit each wrapped module became (kept alive by its root and by the module's hooks).
 _UNITS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Unit]] = weakref.WeakKeyDictionary()
 # The runtime of the root that owns each unit (kept alive by the root).
-_RUNTIMES: weakref.WeakKeyDictionary[Unit, weakref.ref] = weakref.WeakKeyDictionary()
-# Roots (``ShardedModule``) and the module each wraps.
-_ROOTS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
-# Runtimes whose optimizer hooks are live (ZeRO-1 units; see ``reduce_deferred_grads_for``).
-_STEPPING: weakref.WeakSet[StepRuntime] = weakref.WeakSet()
+_RUNTIMES: weakref.WeakKeyDictionary[Unit, weakref.ref[StepRuntime]] = weakref.WeakKeyDictionary()
 # Handles inside an active summon.
 _SUMMONED: weakref.WeakSet[FlatParamHandle] = weakref.WeakSet()
 
 
-def add_root(root: nn.Module, inner: nn.Module, runtime: StepRuntime) -> None:
-    """Record a root wrapping ``inner``, and that ``runtime`` owns its units."""
-    _ROOTS[root] = inner
+def add_units(runtime: StepRuntime) -> None:
+    """Record that ``runtime`` owns its units (taking over units another root owned)."""
     for unit in runtime.units:
         _UNITS[unit.module] = weakref.ref(unit)
         _RUNTIMES[unit] = weakref.ref(runtime)
-
-
-def remove_root(root: nn.Module) -> None:
-    """Forget ``root`` as a root: an enclosing root adopted its units (the FSDP2 door,
-    where a nested call's module stays in the tree)."""
-    _ROOTS.pop(root, None)
 
 
 def managed_units() -> list[tuple[nn.Module, Unit]]:
@@ -63,39 +49,15 @@ def is_managed(module: nn.Module) -> bool:
 
 
 def unit_of(module: nn.Module) -> Unit | None:
-    """The unit ``module`` (or, for a root, the module it wraps) became, if any."""
-    ref = _UNITS.get(_ROOTS.get(module, module))
+    """The unit ``module`` became, if any (a root's own unit: ``build.root.own_unit``)."""
+    ref = _UNITS.get(module)
     return None if ref is None else ref()
-
-
-def wrapped_module(module: nn.Module) -> nn.Module | None:
-    """The module a root wraps; ``None`` when ``module`` is no root."""
-    return _ROOTS.get(module)
-
-
-def is_root(module: nn.Module) -> bool:
-    """Whether ``module`` is a root (a ``ShardedModule``); unit modules, which also answer
-    ``isinstance(m, ShardedModule)``, are not."""
-    return module in _ROOTS
 
 
 def runtime_of(unit: Unit) -> StepRuntime | None:
     """The runtime of the root that owns ``unit``."""
     ref = _RUNTIMES.get(unit)
     return None if ref is None else ref()
-
-
-def add_stepping(runtime: StepRuntime) -> None:
-    _STEPPING.add(runtime)
-
-
-def discard_stepping(runtime: StepRuntime) -> None:
-    _STEPPING.discard(runtime)
-
-
-def stepping_runtimes() -> list[StepRuntime]:
-    """Runtimes whose ZeRO-1 optimizer hooks are live."""
-    return list(_STEPPING)
 
 
 def is_summoned(handle: FlatParamHandle) -> bool:

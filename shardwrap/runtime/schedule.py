@@ -1,5 +1,10 @@
 """Overlap: which all-gather to issue ahead, and how many reductions may be in flight.
 
+The schedule answers the step runtime's questions (what to prefetch after a unit, what a
+gather takes along, what stays gathered after forward, which units the end of backward
+settles) and owns the reductions in flight (issued, bucketed, waited for as late as
+memory allows); it never gathers, shows or frees parameters (runtime/step.py does).
+
 [Note: prefetch and overlap]
 Collectives on gloo run on the process group's own threads and on CUDA on NCCL's stream,
 so an all-gather issued before it is needed, and a reduction waited for only later, both
@@ -62,6 +67,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..core.grad_buffers import PlanBuffers, ScratchPool
 from ..core.unit import TrainingState, Unit
@@ -82,6 +88,14 @@ MAX_SHARDED_REDUCES_IN_FLIGHT = 1
 # ``set_reduce_bucket_size`` says otherwise: DDP's ``bucket_cap_mb``. Sharded units reduce
 # alone by default. See [Note: default reduce buckets] in runtime/reduce_bucket.py.
 DEFAULT_IN_PLACE_BUCKET_BYTES = 25 << 20
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """A gather to issue ahead: ``unit``'s, fused with those of ``upcoming`` that fit a bucket."""
+
+    unit: Unit
+    upcoming: list[Unit]
 
 
 class Schedule:
@@ -108,20 +122,20 @@ class Schedule:
         self.bucket_slots = PlanBuffers()
 
     # ------------------------------------------------------------- prefetch
-    def after_pre_forward(self, unit: Unit) -> None:
-        if not self.forward_prefetch:
-            return
+    def prefetches_after_forward(self, unit: Unit) -> list[Prefetch]:
+        """The gathers to issue ahead once ``unit`` is gathered for forward, in order."""
         order = self.previous_forward_order
-        if unit in order:
-            position = order.index(unit)
-            after_next = _not_run_yet(order[position + 2 :])
-            if position + 1 < len(order):
-                self._prefetch(order[position + 1], after_next)
-            if not unit.reshard_after_forward:  # [Note: prefetching units kept to backward]
-                for later in after_next:
-                    if later.reshard_after_forward:
-                        break
-                    self._prefetch(later, [])
+        if not self.forward_prefetch or unit not in order:
+            return []
+        position = order.index(unit)
+        after_next = _not_run_yet(order[position + 2 :])
+        plan = [Prefetch(order[position + 1], after_next)] if position + 1 < len(order) else []
+        if not unit.reshard_after_forward:  # [Note: prefetching units kept to backward]
+            for later in after_next:
+                if later.reshard_after_forward:
+                    break
+                plan.append(Prefetch(later, []))
+        return plan
 
     def keeps_gathered_after_forward(self, unit: Unit) -> bool:
         """Whether ``unit`` skips its reshard after forward though its strategy frees then.
@@ -131,42 +145,33 @@ class Schedule:
         order = self.previous_forward_order
         return bool(order) and order[-1] is unit and unit.reshard_after_forward_override is None
 
-    def after_pre_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            self._prefetch_next_backward(unit, execution_order)
-
-    def after_post_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            self._prefetch_next_backward(unit, execution_order)
-
-    def _prefetch_next_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
+    def prefetches_in_backward(
+        self, unit: Unit, execution_order: list[Unit], *, done: bool
+    ) -> list[Prefetch]:
+        """The gather to issue ahead once ``unit`` is gathered for backward (``done=False``:
+        ``BACKWARD_PRE``) or its backward is over (``done=True``: ``BACKWARD_POST``)."""
+        wanted = BackwardPrefetch.BACKWARD_POST if done else BackwardPrefetch.BACKWARD_PRE
+        if self.backward_prefetch is not wanted:
+            return []
         upcoming = _reached_by_backward(_backward_next(unit, execution_order))
-        if upcoming:
-            self._prefetch(upcoming[0], upcoming[1:])
-
-    def _prefetch(self, unit: Unit, upcoming: list[Unit]) -> None:
-        if unit.handle is not None:
-            self._gather_bucket(unit, upcoming)  # the unit alone when no bucket forms
-            unit.handle.start_unshard()
+        return [Prefetch(upcoming[0], upcoming[1:])] if upcoming else []
 
     # ------------------------------------------------------ all-gather buckets
-    def before_forward_unshard(self, unit: Unit) -> None:
-        """Gather ``unit`` with the units that followed it last step (if bucketing)."""
+    def forward_upcoming(self, unit: Unit) -> list[Unit]:
+        """The units a forward gather of ``unit`` may take along: those that followed it."""
         order = self.previous_forward_order
-        if unit in order:
-            self._gather_bucket(unit, _not_run_yet(order[order.index(unit) + 1 :]))
+        return _not_run_yet(order[order.index(unit) + 1 :]) if unit in order else []
 
-    def before_backward_unshard(self, unit: Unit, execution_order: list[Unit]) -> None:
-        """Gather ``unit`` with the units whose backward comes next (if bucketing)."""
-        self._gather_bucket(unit, _reached_by_backward(_backward_next(unit, execution_order)))
+    def backward_upcoming(self, unit: Unit, execution_order: list[Unit]) -> list[Unit]:
+        """The units a backward gather of ``unit`` may take along: whose backward is next."""
+        return _reached_by_backward(_backward_next(unit, execution_order))
 
-    def _gather_bucket(self, unit: Unit, upcoming: list[Unit]) -> None:
+    def bucket_members(self, unit: Unit, upcoming: list[Unit]) -> list[FlatParamHandle]:
+        """The handles ``unit``'s gather fuses with ``upcoming``'s (one or none: it goes alone)."""
         if self.all_gather_bucket_bytes <= 0 or not gather_bucket.needs_gather(unit.handle):
-            return
+            return []
         handles = (u.handle for u in upcoming if u.handle is not None)
-        members = gather_bucket.collect(unit.handle, handles, self.all_gather_bucket_bytes)
-        if len(members) > 1:
-            gather_bucket.FusedGather(members)  # every member now has its gather in flight
+        return gather_bucket.collect(unit.handle, handles, self.all_gather_bucket_bytes)
 
     # ----------------------------------------------------------- reductions
     def reduce_after_backward(self, unit: Unit, execution_order: list[Unit]) -> None:
@@ -242,34 +247,23 @@ class Schedule:
         self.flush_bucket()
         self.finish_reduces()
 
-    def end_step(self, forward_order: list[Unit], *, last: bool = True, free: bool = True) -> None:
-        """Remember this step's order; settle reductions and prefetches nobody used.
+    def end_step(self, forward_order: list[Unit], *, last: bool = True) -> list[Unit]:
+        """Remember this step's order, settle reductions; the units the step runtime then
+        settles (lands the gathers nobody used, frees by its rule).
 
         ``last=False``: a backward that does not end a microbatched step ([Note:
-        microbatched steps] in runtime/step.py): reductions settle, gathers in flight land
-        and stay, the order is not replaced. ``free=False`` (``set_reshard_after_backward(
-        False)``): gathered units stay gathered.
+        microbatched steps] in runtime/step.py): reductions settle, the order is not
+        replaced, and only this step's units are settled.
         """
         self.flush_bucket()
         self.finish_reduces()
         if not last:
-            for unit in forward_order:
-                if unit.handle is not None and unit.handle.gather_in_flight:
-                    unit.handle.unshard()
-                    unit.handle.reshard(free=False)
-            return
+            return list(forward_order)
         self.bucket_slots.end_step()
         # A bucket may have gathered units from the last order that this step did not run.
         touched = list(dict.fromkeys([*forward_order, *self.previous_forward_order]))
         self.previous_forward_order = list(forward_order)
-        for unit in touched:
-            handle = unit.handle
-            if handle is not None and handle.gather_in_flight:
-                handle.unshard()
-                handle.reshard(free=unit.strategy.free_after_backward)
-            elif handle is not None and unit.strategy.free_after_backward and free:
-                if handle.full_storage_bytes:  # gathered by a bucket, then not used this step
-                    handle.reshard(free=True)
+        return touched
 
 
 def _not_run_yet(units: list[Unit]) -> list[Unit]:

@@ -1,12 +1,13 @@
-"""Per-root step bookkeeping: execution order, end of backward, gradient presence vote.
+"""One root's step: every moment of a unit's step, the end of backward, the presence vote.
 
-[Note: gradient presence]
-In single-process training a parameter that takes no part in the loss keeps
-``grad=None``, so the optimizer leaves it alone (no momentum, no weight decay). A rank
-cannot tell that alone: the parameter may have been used by another rank's data. Each
-unit therefore reduces zeros for its missing gradients, and once per optimizer-visible
-gradient update one small all-reduce (MAX) of per-parameter "had a gradient" flags
-decides, for every rank alike, which shard views receive a gradient.
+A unit passes, in order, through ``StepRuntime.pre_forward``, ``post_forward``,
+``pre_backward``, ``post_backward`` and, once per backward, ``finalize_backward``; the
+optimizer step through core/optimizer_step.py (docs/architecture.md lists what each
+calls). This module is the only caller of ``unshard``/``reshard``; the schedule answers
+what to prefetch, what stays gathered and when to wait for reductions, and ``Unit``
+changes its own fields.
+
+The free rule (what a unit gives up, and when) is runtime/free_rule.py.
 
 [Note: ZeRO-1 reduces in backward]
 ZeRO-1 (``SHARD_OPTIM``) shards only the optimizer state, yet its gradients are reduced
@@ -35,60 +36,44 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
+from ..base.pages import release_resident
 from ..base.torch_compat import queue_backward_callback
-from ..comm.checks import digest, digest_words, raise_disagreement, words_agree
+from ..comm.checks import raise_disagreement
 from ..comm.collectives import Communicator
+from ..core import optimizer_step
+from ..core.optimizer_step import Phase
 from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle
-from . import registry
-from .schedule import Schedule
+from .free_rule import Moment, Release, release_rule
+from .gather_bucket import FusedGather
+from .presence import NUM_DIGEST_WORDS, PresenceVote, run_entries, start_vote
+from .schedule import Prefetch, Schedule
 
-NUM_DIGEST_WORDS = 4  # appended to the presence vote: see [Note: rank agreement]
+__all__ = ["NUM_DIGEST_WORDS", "StepRuntime", "reduce_deferred_grads_for", "regather"]
+
+# Runtimes with ZeRO-1 reductions left for the optimizer step to flush (kept here, not in
+# the registry: the registry imports this module).
+_STEPPING: weakref.WeakSet[StepRuntime] = weakref.WeakSet()
+
+
+def regather(handle: FlatParamHandle) -> None:
+    """Gather ``handle`` again outside a step: ``summon_full_params`` wrote edits into its
+    shard while it showed gathered parameters, which must show the edits."""
+    handle.unshard()
 
 
 def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
     """Reduce unreduced ZeRO-1 gradients of every root that owns ``optimizer``'s parameters.
 
-    For code holding only an optimizer (a grad scaler): the registry knows the runtimes
+    For code holding only an optimizer (a grad scaler): this module knows the runtimes
     whose optimizer hooks are live.
     """
-    for runtime in registry.stepping_runtimes():
+    for runtime in list(_STEPPING):
         if runtime.sync_grads and runtime._owns(optimizer):
             runtime.reduce_deferred_grads()
-
-
-@dataclass(frozen=True)
-class _PresenceVote:
-    """A presence vote in flight: its work, the flags it reduces, the handles they cover."""
-
-    work: Any
-    flags: torch.Tensor  # int32, one per parameter of ``handles``, in order
-    handles: list[FlatParamHandle]
-
-    def finish(self) -> bool:
-        """Wait, then hand each handle's reduced gradient to the shard views that got one.
-
-        Returns whether every rank ran the same units ([Note: rank agreement]).
-        """
-        self.work.wait()
-        reduced = self.flags.tolist()
-        flags = [bool(f) for f in reduced[:-NUM_DIGEST_WORDS]]
-        start = 0
-        for handle in self.handles:
-            count = len(handle.grads.local_grad_present)
-            handle.grads.assign_grads(flags[start : start + count])
-            start += count
-        return words_agree(reduced[-NUM_DIGEST_WORDS:])
 
 
 class StepRuntime:
@@ -110,7 +95,6 @@ class StepRuntime:
         # ZeRO-1: a ``no_sync`` backward left full local gradients that no synchronising
         # backward reduced since; the optimizer step reduces them.
         self.deferred_grads_pending = False
-        self._step_hooks: list = []
         self._checked_entries: list[tuple[str, str]] = []  # what the last vote checked
         # id(shard view) -> its handle, for the optimizer step hooks; the views live as long
         # as their handle, so ids stay valid.
@@ -120,10 +104,12 @@ class StepRuntime:
             if u.handle is not None
             for param in u.handle.shard_params
         }
-        self._install_step_post_hook()
+        # [Note: one optimizer-step dispatcher] in core/optimizer_step.py
+        actions = {Phase.NOTE_STALE: _note_stale}
         if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
-            self._install_optimizer_hooks()
-            registry.add_stepping(self)
+            actions[Phase.FLUSH_DEFERRED_GRADS] = _flush_deferred
+            _STEPPING.add(self)
+        optimizer_step.join(self, StepRuntime._owns, actions)
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
@@ -131,7 +117,7 @@ class StepRuntime:
         if not self._finalize_queued:
             self.execution_order.clear()
             for unit in self.units:
-                unit.forward_depth = 0  # a forward that raised never ran its post-forward
+                unit.clear_forward_depth()
                 if unit.state is not TrainingState.IDLE:
                     self._abandon(unit)
 
@@ -139,16 +125,58 @@ class StepRuntime:
         # A forward whose backward never ran (evaluation with grad enabled, an exception).
         # Local gradients already accumulated stay, as autograd would keep them; only the
         # gathered parameters are released.
-        # Mid-step ([Note: microbatched steps]) a unit kept gathered stays so.
-        if unit.handle is not None and unit.strategy.free_after_backward:
-            unit.handle.reshard(free=self.is_last_backward)
+        self._release_at(Moment.ABANDONED, unit)
         unit.end_step()
+
+    def pre_forward(self, unit: Unit) -> None:
+        """Pre-forward: gather ``unit`` (or wait for its prefetch), prefetch what follows."""
+        self.record_forward(unit)
+        unit.enter_forward()
+        if unit.handle is not None:
+            self._start_gather(unit, self.schedule.forward_upcoming(unit))
+            unit.handle.unshard()
+        self._prefetch_all(self.schedule.prefetches_after_forward(unit))
+        if unit.state is TrainingState.IDLE:
+            unit.start_forward()
+            unit.set_expects_backward(False)
+
+    def post_forward(self, unit: Unit, *, training: bool, backward_expected: bool) -> None:
+        """Post-forward: release ``unit`` by the free rule ([Note: the free rule]).
+
+        ``backward_expected``: backward may reach the unit (its outputs were hooked, or
+        forward ran without grad and a reentrant checkpoint may run it again).
+        """
+        outermost = unit.leave_forward()
+        if outermost:
+            keep = self.schedule.keeps_gathered_after_forward(unit)
+            self._release_at(Moment.POST_FORWARD, unit, training=training, kept=keep)
+        if backward_expected:
+            unit.set_expects_backward(True)
 
     def record_forward(self, unit: Unit) -> None:
         if unit.state is TrainingState.IDLE and unit not in self.execution_order:
             self.execution_order.append(unit)
 
     # --------------------------------------------------------------- backward
+    def pre_backward(self, unit: Unit) -> None:
+        """Pre-backward: gather ``unit`` again (or wait for its prefetch), prefetch the next."""
+        self.queue_finalize()
+        if unit.state is TrainingState.IDLE:
+            # A further backward through a retained graph (``retain_graph=True``): this
+            # unit's step was finalised already, so enter it as a new one.
+            self.record_forward(unit)
+            unit.start_forward()
+        if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
+            if unit.handle is not None:
+                self._start_gather(
+                    unit, self.schedule.backward_upcoming(unit, self.execution_order)
+                )
+                unit.handle.unshard()
+            unit.start_backward()
+            self._prefetch_all(
+                self.schedule.prefetches_in_backward(unit, self.execution_order, done=False)
+            )
+
     def queue_finalize(self) -> None:
         if not self._finalize_queued:
             self._finalize_queued = True
@@ -169,7 +197,8 @@ class StepRuntime:
             # and its round trip overlaps the wait for the reductions still in flight.
             vote = self.start_vote(self.units)
         order = self._order_for_end()
-        self.schedule.end_step(order, last=self.is_last_backward, free=self.reshard_after_backward)
+        for unit in self.schedule.end_step(order, last=self.is_last_backward):
+            self._settle(unit)
         agreed = vote.finish() if vote is not None else True
         for unit in self.units:
             unit.end_step()
@@ -185,15 +214,56 @@ class StepRuntime:
         """
         if unit.state is TrainingState.BACKWARD_DONE or unit.state is TrainingState.IDLE:
             return
-        handle = unit.handle
-        if handle is not None:
-            # ZeRO-1 too: see [Note: ZeRO-1 reduces in backward]. A frozen unit has nothing
-            # to reduce on any rank (see [Note: frozen units]).
-            if self.sync_grads and handle.has_trainable_params:
-                self.schedule.reduce_after_backward(unit, self.execution_order)
-            handle.reshard(free=unit.strategy.free_after_backward and self.reshard_after_backward)
+        # ZeRO-1 too: see [Note: ZeRO-1 reduces in backward]. A frozen unit has nothing to
+        # reduce on any rank (see [Note: frozen units]).
+        if self.sync_grads and unit.handle is not None and unit.handle.has_trainable_params:
+            self.schedule.reduce_after_backward(unit, self.execution_order)
+        self._release_at(Moment.POST_BACKWARD, unit)
         unit.finish_backward()
-        self.schedule.after_post_backward(unit, self.execution_order)
+        self._prefetch_all(
+            self.schedule.prefetches_in_backward(unit, self.execution_order, done=True)
+        )
+
+    # ------------------------------------------------------------ gathers ahead
+    def _prefetch_all(self, plan: list[Prefetch]) -> None:
+        for prefetch in plan:
+            self._prefetch(prefetch.unit, prefetch.upcoming)
+
+    def _prefetch(self, unit: Unit, upcoming: list[Unit]) -> None:
+        """Issue ``unit``'s all-gather ahead of use ([Note: prefetch and overlap])."""
+        if unit.handle is not None:
+            self._start_gather(unit, upcoming)  # the unit alone when no bucket forms
+            unit.handle.start_unshard()
+
+    def _start_gather(self, unit: Unit, upcoming: list[Unit]) -> None:
+        """Issue one gather for ``unit`` and those of ``upcoming`` it fuses with, if any
+        ([Note: all-gather buckets]); otherwise leave ``unit`` to gather alone."""
+        members = self.schedule.bucket_members(unit, upcoming)
+        if len(members) > 1:
+            FusedGather(members)  # every member now has its gather in flight
+
+    def _settle(self, unit: Unit) -> None:
+        """End of backward: land a gather nobody waited for (a prefetch or a bucket's), then
+        release ``unit`` by the free rule."""
+        landed = unit.handle is not None and unit.handle.gather_in_flight
+        if landed:
+            unit.handle.unshard()  # type: ignore[union-attr]
+        self._release_at(Moment.END_OF_BACKWARD, unit, landed=landed)
+
+    def _release_at(self, moment: Moment, unit: Unit, **facts: bool) -> None:
+        """Give up what the free rule says ``unit`` gives up at ``moment``; the one place
+        that reshards or drops a kept shard's pages."""
+        release = release_rule(
+            moment,
+            unit,
+            last_backward=self.is_last_backward,
+            reshard_after_backward=self.reshard_after_backward,
+            **facts,
+        )
+        if release is Release.PAGES:
+            release_resident(unit.handle.flat_shard)  # type: ignore[union-attr]
+        elif release is not Release.KEEP:
+            unit.handle.reshard(free=release is Release.FREE)  # type: ignore[union-attr]
 
     def _order_for_end(self) -> list[Unit]:
         """The forward order this backward's end hands the schedule.
@@ -238,26 +308,15 @@ class StepRuntime:
         if vote is not None and not vote.finish():
             self.report_disagreement()
 
-    def start_vote(self, units: list[Unit]) -> _PresenceVote | None:
+    def start_vote(self, units: list[Unit]) -> PresenceVote | None:
         """Issue the presence vote of ``units`` (see [Note: gradient presence])."""
         handles = [u.handle for u in units if u.handle is not None]
-        entries = self._run_entries()
+        entries = run_entries(self.units_run)
         self.units_run.clear()  # checked now, or never: nothing to vote on (no handles)
         if not handles:
             return None
         self._checked_entries = entries
-        words = digest_words(digest(entries))
-        flags = torch.tensor(
-            [int(f) for h in handles for f in h.grads.local_grad_present] + words,
-            dtype=torch.int32,
-        )
-        work = self.world_comm.all_reduce(flags, purpose="grad_presence", op=dist.ReduceOp.MAX)
-        return _PresenceVote(work, flags, handles)
-
-    def _run_entries(self) -> list[tuple[str, str]]:
-        return [
-            (f"unit #{i + 1} run", f"unit {n or '(root)'!r}") for i, n in enumerate(self.units_run)
-        ]
+        return start_vote(self.world_comm, handles, entries)
 
     def report_disagreement(self) -> None:
         """The vote's digests differ: name the first rank and unit run that differ."""
@@ -265,7 +324,7 @@ class StepRuntime:
             self.world_comm, self._checked_entries, "the units run since the last check"
         )
 
-    # ----------------------------------------------------- ZeRO-1 step hooks
+    # ------------------------------------------------------ the optimizer step
     def reduce_deferred_grads(self) -> None:
         """ZeRO-1: reduce full local gradients that ``no_sync`` backwards left, before a step.
 
@@ -291,26 +350,6 @@ class StepRuntime:
             id(p) in self._handle_of_shard for g in optimizer.param_groups for p in g["params"]
         )
 
-    def _install_optimizer_hooks(self) -> None:
-        ref = weakref.ref(self)
-
-        def before_step(optimizer, args, kwargs):
-            runtime = ref()
-            if runtime is not None and runtime.sync_grads and runtime._owns(optimizer):
-                runtime.reduce_deferred_grads()
-
-        self._step_hooks.append(register_optimizer_step_pre_hook(before_step))
-
-    def _install_step_post_hook(self) -> None:
-        ref = weakref.ref(self)
-
-        def after_step(optimizer, args, kwargs):
-            runtime = ref()
-            if runtime is not None:
-                runtime.note_step(optimizer)
-
-        self._step_hooks.append(register_optimizer_step_post_hook(after_step))
-
     def note_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` stepped: every handle with a shard view it held and stepped (one
         with a gradient: torch's optimizers leave the others alone) has a stale gathered
@@ -327,18 +366,9 @@ class StepRuntime:
             handle.note_shard_updated()
 
     def remove_hooks(self) -> None:
-        registry.discard_stepping(self)
-        for h in self._step_hooks:
-            h.remove()
-        self._step_hooks.clear()
-
-    def __del__(self) -> None:
-        # No module globals here: at interpreter exit this module's may be gone already (the
-        # registry, imported first, outlives it and drops the last runtimes).
-        try:
-            self.remove_hooks()
-        except Exception:
-            pass
+        """Take no more part in optimizer steps (an enclosing root adopted the units)."""
+        _STEPPING.discard(self)
+        optimizer_step.leave(self)
 
     # ------------------------------------------------------------------ misc
     @contextlib.contextmanager
@@ -349,3 +379,12 @@ class StepRuntime:
             yield
         finally:
             self.sync_grads = previous
+
+
+def _flush_deferred(runtime: StepRuntime, optimizer, args, kwargs) -> None:
+    if runtime.sync_grads:
+        runtime.reduce_deferred_grads()
+
+
+def _note_stale(runtime: StepRuntime, optimizer, args, kwargs) -> None:
+    runtime.note_step(optimizer)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from shardwrap import checkpoint
+from shardwrap.ckpt import save as checkpoint_save
 from shardwrap.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardwrap.ckpt import async_save, safetensors_writer
 from tests import models
@@ -33,7 +33,7 @@ GATE_LIMIT = 60.0  # a gate never opened is a failed test, not a hang
 def _gated_writes(gate: threading.Event):
     """``write_stream`` that starts only once ``gate`` is set: the background write then
     certainly runs after the training steps that follow the save."""
-    original = checkpoint.write_stream
+    original = checkpoint_save.write_stream
 
     def write_when_open(*args, **kwargs):
         if not gate.wait(GATE_LIMIT):
@@ -65,7 +65,7 @@ def train_while_saving(
     at_first = local_pieces(sharded, optim)
     gate = threading.Event()
     original, gated = _gated_writes(gate)
-    checkpoint.write_stream = gated
+    checkpoint_save.write_stream = gated
     staging = async_save.AsyncSaver.stage
     if alias:
         async_save.AsyncSaver.stage = lambda self, items: items
@@ -77,13 +77,15 @@ def train_while_saving(
         at_second = local_pieces(sharded, optim)
         threading.Timer(GATE_SECONDS, gate.set).start()
         started = time.perf_counter()
-        second_handle = save_checkpoint(second, sharded, optim, extra={"step": 4}, asynchronous=True)
+        second_handle = save_checkpoint(
+            second, sharded, optim, extra={"step": 4}, asynchronous=True
+        )
         waited = time.perf_counter() - started
         first_done = handle.done()
         assert handle.result() == first
         second_handle.result()
     finally:
-        checkpoint.write_stream = original
+        checkpoint_save.write_stream = original
         async_save.AsyncSaver.stage = staging
     return {
         "pieces": [convert(p, lambda t: t.numpy()) for p in (at_first, at_second)],
@@ -146,6 +148,6 @@ def async_crash_phase(rank: int, world_size: int, load_from: str, save_to: str, 
     reference, ref_optim = reference_from(convert(snapshot, torch.from_numpy))
     train_steps(sharded, optim, reference, ref_optim, world_size, rank, STEPS_PER_PHASE)
     if rank == 1:
-        checkpoint.write_stream = _die_halfway
+        checkpoint_save.write_stream = _die_halfway
     handle = save_checkpoint(save_to, sharded, optim, extra={"step": 99}, asynchronous=True)
     handle.result()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwrap
-from shardwrap import checkpoint
+from shardwrap.ckpt import save as checkpoint_save
 from shardwrap.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tests import models
 from tests.dist import parity
@@ -205,7 +205,7 @@ def crash_phase(rank: int, world_size: int, load_from: str, save_to: str, snapsh
     reference, ref_optim = reference_from(convert(snapshot, torch.from_numpy))
     train_steps(sharded, optim, reference, ref_optim, world_size, rank, STEPS_PER_PHASE)
     if rank == 1:
-        checkpoint.write_stream = _die_halfway
+        checkpoint_save.write_stream = _die_halfway
     save_checkpoint(save_to, sharded, optim, extra={"step": 99})
 
 

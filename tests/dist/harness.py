@@ -28,6 +28,19 @@ A test that needs processes of its own (it checks process exit or a killed rank,
 own ``init_process_group``, reads environment variables at import, ...) says so with
 ``@pytest.mark.fresh_ranks`` or ``run_ranks(..., fresh=True)`` and gets new processes,
 as before the pool. ``SHARDWRAP_FRESH_RANKS=1`` does that for every test.
+
+[Note: pooled ranks are forked]
+Even pooled, each rank used to import torch, shardwrap and the tests' libraries on its own
+(seconds of CPU each, ~18 ranks a session plus every replaced pool, 8 at once for the 3-D
+module). So pooled ranks come from a forkserver (``_pool_context``) that imports those
+once, before any rank exists, and forks every pooled rank from that state. Forking is safe
+there: the server runs no torch op, starts no thread of its own and joins no process group
+(gloo groups are made after the fork, in the rank), and each rank sets its own environment
+(the test process's at the pool's start, as a spawned child would inherit it) and reseeds
+numpy's global generator (fork copies it; ``random`` reseeds itself). A pooled rank ends
+with ``os._exit`` either way, so what a forked process skips at exit (interpreter
+finalization) was never a pool's to check. Fresh ranks are still spawned: their exit is
+what some tests check. ``SHARDWRAP_SPAWN_POOLS=1`` spawns pooled ranks too.
 """
 
 from __future__ import annotations
@@ -69,6 +82,21 @@ DEATH_GRACE_S = 10.0  # after a rank dies, how long the others may take to repor
 
 # Set for one test by the ``fresh_ranks`` marker (tests/conftest.py).
 FRESH_RANKS = os.environ.get("SHARDWRAP_FRESH_RANKS", "") not in ("", "0")
+# Pooled ranks spawned instead of forked from a preloaded server ([Note: pooled ranks are forked]).
+SPAWN_POOLS = os.environ.get("SHARDWRAP_SPAWN_POOLS", "") not in ("", "0")
+# What the forkserver imports once for every pooled rank: torch, shardwrap, and the heavy
+# libraries the tests' rank functions import (a missing one is skipped by the server).
+POOL_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.multiprocessing",
+    "numpy",
+    "numpy.random",  # numpy imports it lazily; its global generator is what ranks reseed
+    "pytest",
+    "shardwrap",
+    "tests.dist.harness",
+    "transformers",
+)
 
 # What happened to the pools this session, for the terminal summary.
 POOL_EVENTS: list[str] = []
@@ -110,9 +138,16 @@ def release_pool(world_size: int) -> None:
 
 
 def shutdown_pools() -> None:
-    """End every pooled rank (at the end of the session; also registered with atexit)."""
+    """End every pooled rank (at the end of the session; also registered with atexit), then
+    the forkserver they came from, waited for: a server left to end by itself (when this
+    process goes) would take its ranks' CPU time out of what ``time make test`` reports."""
     for world_size in list(_POOLS):
         _drop_pool(world_size, graceful=True)
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)  # private: 3.8 to 3.13 have it
+    if stop is not None:
+        stop()  # nothing when no server runs; a later pool starts a new one
 
 
 # --------------------------------------------------------------------------- fresh ranks
@@ -224,11 +259,22 @@ def _drop_pool(world_size: int, graceful: bool = False) -> None:
         pool.close(graceful)
 
 
+def _pool_context():
+    """Where pooled ranks come from: a forkserver with :data:`POOL_PRELOAD` imported, or
+    plain spawn ([Note: pooled ranks are forked])."""
+    if SPAWN_POOLS:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Once per process: the server starts with the first pool and keeps this list.
+    ctx.set_forkserver_preload(list(POOL_PRELOAD))
+    return ctx
+
+
 class _Pool:
     """``world_size`` rank processes in one gloo group, each serving tasks over a pipe."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _pool_context()
         self.world_size = world_size
         self.tmp = tempfile.mkdtemp(prefix=f"shardwrap-ranks{world_size}-")
         init_file = os.path.join(self.tmp, "rendezvous")
@@ -239,7 +285,7 @@ class _Pool:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=_serve,
-                args=(rank, world_size, init_file, theirs, os.getpid()),
+                args=(rank, world_size, init_file, theirs, os.getpid(), dict(os.environ)),
                 name=f"shardwrap-rank{rank}-of-{world_size}",
             )
             proc.start()
@@ -379,7 +425,16 @@ def _register_atexit() -> None:
 
 def _watch_parent(parent_pid: int) -> None:
     """End with pytest (killed, or interrupted before it could end its ranks): the kernel
-    sends SIGKILL when the parent goes (Linux), else a thread watches for it."""
+    sends SIGKILL when the parent goes (Linux), else a thread watches for it.
+
+    A forked pooled rank's parent is the forkserver, which ends when pytest does (its
+    pipe from pytest closes): that parent is watched, and pytest must still be there."""
+    if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(3)
+        parent_pid = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
@@ -399,14 +454,22 @@ def _watch_parent(parent_pid: int) -> None:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _serve(rank: int, world_size: int, init_file: str, conn, parent_pid: int) -> None:
+def _serve(
+    rank: int, world_size: int, init_file: str, conn, parent_pid: int, environ: dict
+) -> None:
     _watch_parent(parent_pid)
+    _as_if_spawned(environ)
+    # Imported before the baseline, not by the first task's clean-up (``_Task`` imports
+    # shardwrap): else the sets shardwrap's modules fill at import seem to grow in that task.
+    import shardwrap  # noqa: F401
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     world = dist.group.WORLD
     start = _Baseline(world)
+    gc.freeze()  # [Note: frozen between tests]
     conn.send("started")  # Pool.wait_started
     done = 0
     while True:
@@ -439,12 +502,37 @@ def _serve(rank: int, world_size: int, init_file: str, conn, parent_pid: int) ->
         except Exception:  # noqa: BLE001 - e.g. a result that does not pickle
             conn.send((False, traceback.format_exc(), []))
         del result
+        gc.collect()  # the result's cycles, now that it is sent
+        gc.freeze()  # [Note: frozen between tests]
         if unclean:
             break  # the parent replaces this pool
     # No interpreter finalization: its aborts are test_exit's subject, not a pool's concern.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _as_if_spawned(environ: dict) -> None:
+    """What a forked rank takes from its server but a spawned one would not: the server's
+    environment (the test process's, when the pool starts, is what a child inherits) and
+    numpy's global generator (every forked rank would draw the same numbers)."""
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+# [Note: frozen between tests]
+# ``_Task.restore`` collects garbage after every test, so that the test's models (cycles
+# through their hooks) go before the registries are checked. A full collection walks
+# every object in the process: with torch, shardwrap, transformers and deepspeed loaded,
+# about 0.2 s of CPU per rank and test, the harness's largest cost over a session. So what
+# is alive after a test (modules, caches; the test's own objects are gone by then) is
+# moved to the collector's permanent generation (``gc.freeze``), and the next test's
+# collection walks only what was made since. Reference counting still frees frozen
+# objects; only a frozen cycle that becomes garbage later stays, until the pool ends.
 
 
 def _check_in_step(world, done: int, world_size: int) -> list[str]:
@@ -554,8 +642,8 @@ class _Task:
         gc.collect()
         for name, hooks in _global_hooks().items():
             for key in set(hooks) - self.hooks[name]:
-                # A closure (a runtime's or an offload's) is for one model; a module-level
-                # function is installed once per process (optimizer_guard's) and stays.
+                # A closure is for one model; a module-level function (the optimizer-step
+                # dispatcher's) removes itself with the last model that needs it.
                 if "<locals>" in getattr(hooks[key], "__qualname__", "<locals>"):
                     del hooks[key]
         unclean += self._check_registries()

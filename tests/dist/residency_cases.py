@@ -61,12 +61,13 @@ import torch
 from torch import nn
 
 import shardwrap
-from shardwrap import flat_param, hooks
+from shardwrap import flat_param
 from shardwrap.base import pages
 from shardwrap.base.pages import release_resident
 from shardwrap.core import grads as grads_module
 from shardwrap.features import grad_clip
 from shardwrap.offload import disk, disk_step
+from shardwrap.runtime import step as step_runtime
 from shardwrap.policies import ModuleWrapPolicy
 
 PAGE = mmap.PAGESIZE
@@ -277,7 +278,7 @@ RELEASE_SITES = {
     "streamed step": (disk_step, "_step_sub_group", "streamed", "sub-group"),
     "loaded state": (disk, "place_state", "streamed", "loaded state"),
     "after step": (disk, "release_pages", "one group", "after step"),
-    "computed in place": (hooks, "post_forward", "no shard", "after forward"),
+    "computed in place": (step_runtime, "_release_at", "no shard", "after forward"),
 }
 
 

@@ -14,6 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from shardwrap.build.root import root_of
 from tests import models
 from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
@@ -122,17 +123,17 @@ def test_activation_checkpointing_parity(world_size):
 
 
 def _prefetch_worker(rank: int, world_size: int, mode: str) -> list[str]:
-    """Units the schedule prefetched during the second step's backward."""
+    """Units the step runtime prefetched during the second step's backward."""
     sharded, _ = _prepare(mode, "FULL_SHARD")
-    schedule = sharded._runtime.schedule
+    runtime = root_of(sharded).runtime
     prefetched: list[str] = []
-    issue = schedule._prefetch
+    issue = runtime._prefetch
 
     def recording_prefetch(unit, upcoming):
         prefetched.append(unit.name)
         issue(unit, upcoming)
 
-    schedule._prefetch = recording_prefetch
+    runtime._prefetch = recording_prefetch
     for step in range(NUM_STEPS):
         loss = loss_for("gpt", sharded, batch_for("gpt", rank), step)
         prefetched.clear()

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwrap
+from shardwrap.build.root import root_of
 from shardwrap.comm.collectives import CollectiveMismatchError
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models
@@ -20,7 +21,7 @@ def _diverging_worker(rank: int, world_size: int) -> str:
     # agreeing ranks pass the check and train as usual
     with model.checking_collectives(timeout_s=30):
         models.gpt_loss(model, models.gpt_batch(rank)).backward()
-    checked = model._runtime.world_comm.checker
+    checked = root_of(model).runtime.world_comm.checker
     assert checked is None  # the context manager switched the checks off again
     model.set_collective_checks(True, timeout_s=30)
     try:

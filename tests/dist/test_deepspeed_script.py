@@ -32,10 +32,15 @@ import deepspeed  # noqa: F401 (a declared test dependency: a broken install fai
 import pytest
 import torch
 
+from tests.dist import harness
 from tests.dist.harness import run_ranks
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "deepspeed_style_script.py")
 STAGES = (0, 1, 2, 3)
+# One rank call runs the script eight times (four stages, shardwrap and DeepSpeed), each
+# with a save and a load: about 40 s on 2 quiet cores, 121 s at a load average of 40, past
+# the harness's 120 s. The limit catches a hang; it does not time the test.
+SCRIPT_RUNS_TIMEOUT_S = 600.0
 BIT_EXACT_STAGES = (0, 1)
 CLIP = 0.75  # engages from about the fourth optimizer step
 CONFIG = {
@@ -104,7 +109,8 @@ def _worker(rank: int, world_size: int, port: int, root: str) -> dict:
 
 # The script sets up its own process group from the launcher's variables: fresh ranks.
 @pytest.mark.fresh_ranks
-def test_deepspeed_script_runs_on_shardwrap_and_matches_deepspeed(tmp_path):
+def test_deepspeed_script_runs_on_shardwrap_and_matches_deepspeed(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "RANK_TIMEOUT_S", SCRIPT_RUNS_TIMEOUT_S)
     for stage in STAGES:
         config = {**CONFIG, "zero_optimization": {"stage": stage}}
         (tmp_path / f"stage{stage}.json").write_text(json.dumps(config))

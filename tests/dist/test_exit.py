@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import shardwrap
 from shardwrap.base import at_exit
+from shardwrap.build.root import root_of
 from tests import models
 from tests.dist.harness import run_ranks
 from tests.dist.parity import build_model, wrap_policy
@@ -44,7 +45,7 @@ def _worker(rank: int, world_size: int, out_dir: str, keep_model: bool) -> None:
         build_model("mlp"), sharding_strategy="NO_SHARD", auto_wrap_policy=wrap_policy("mlp")
     )
     models.mlp_loss(model, models.mlp_batch(rank)).backward()
-    comm_ref = weakref.ref(model._runtime.world_comm)
+    comm_ref = weakref.ref(root_of(model).runtime.world_comm)
     # Handlers run last registered first: shardwrap's (registered with the model's
     # communicators) goes back on top, so the report sees what finalization would.
     atexit.unregister(at_exit.release_all)

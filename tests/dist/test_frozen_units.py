@@ -13,6 +13,7 @@ import torch
 
 import shardwrap
 from shardwrap import profile
+from shardwrap.build.root import root_of
 from tests.dist import parity
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
 
@@ -54,7 +55,7 @@ def _collectives(rank: int, world_size: int, kind: str) -> dict[str, dict]:
     for strategy in STRATEGIES:
         model = _frozen_model(kind, strategy)
         frozen = next(u for u in model.units if u.name == FROZEN[kind])
-        runtime = model._runtime
+        runtime = root_of(model).runtime
         seen = []
         finalize = runtime.finalize_backward
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
+from shardwrap.build.root import root_of
 from tests import models
 from tests.dist.harness import run_ranks
 from tests.dist.parity import build_model, wrap_policy
@@ -59,7 +60,7 @@ def _num_allocated(model, seen: set) -> int:
 
     ``seen``: the keepers found by earlier calls, so a replaced one still counts.
     """
-    schedule = model._runtime.schedule
+    schedule = root_of(model).runtime.schedule
     seen.update(u.handle.grads._grad_buffer for u in model.units if u.handle is not None)
     seen.update(schedule.bucket_slots.buffers())
     return sum(b.num_allocated for b in seen)
@@ -119,7 +120,7 @@ def _sharded_worker(rank: int, world_size: int) -> dict:
     model = shardwrap.ShardedModule(
         build_model("mlp"), sharding_strategy="SHARD_GRAD_OP", auto_wrap_policy=wrap_policy("mlp")
     )
-    pool = model._runtime.schedule.scratch
+    pool = root_of(model).runtime.schedule.scratch
     allocated = []
     for seed in range(3):
         _backward(model, rank, world_size, seed=seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ import torch.distributed as dist
 
 from tests.dist import harness
 from tests.dist.harness import run_ranks
-
 
 _PROCESS = uuid.uuid4().hex  # made anew in every process that imports this module
 
@@ -99,3 +99,60 @@ def test_destroyed_world_group_means_new_ranks() -> None:
     before = run_ranks(_pid, 2)
     run_ranks(_destroy_world, 2)
     assert set(before).isdisjoint(run_ranks(_pid, 2))
+
+
+def _numpy_draw(rank: int, world_size: int) -> float:
+    import numpy
+
+    return float(numpy.random.random())
+
+
+def _environ(rank: int, world_size: int) -> str | None:
+    return os.environ.get("SHARDWRAP_HARNESS_POOL_ENV")
+
+
+def _parent(rank: int, world_size: int) -> int:
+    return os.getppid()
+
+
+def test_pooled_ranks_are_forked_yet_start_as_spawned_ones_would(monkeypatch) -> None:
+    """[Note: pooled ranks are forked]: pooled ranks come from the preloaded server (not
+    from this process), yet each takes this process's environment at the pool's start and
+    draws its own numpy numbers. Negative controls: without ``_as_if_spawned`` both ranks
+    draw the same number and miss the variable set after the server started."""
+    if harness.SPAWN_POOLS:
+        pytest.skip("SHARDWRAP_SPAWN_POOLS=1: pooled ranks are spawned")
+    run_ranks(_pid, 2)  # the server runs (started by this pool or an earlier one)
+    monkeypatch.setenv("SHARDWRAP_HARNESS_POOL_ENV", "set after the server started")
+    harness.release_pool(2)
+    try:
+        parents = run_ranks(_parent, 2)
+        assert os.getpid() not in parents and len(set(parents)) == 1, parents
+        assert run_ranks(_environ, 2) == ["set after the server started"] * 2
+        first, second = run_ranks(_numpy_draw, 2)
+        assert first != second
+    finally:
+        harness.release_pool(2)  # the next pool starts with this process's usual environment
+
+
+_left_behind = None  # a weak reference to the last test's model, in the rank
+
+
+def _leave_a_cycle(rank: int, world_size: int) -> None:
+    global _left_behind
+    model = torch.nn.Linear(2, 2)
+    model.register_forward_hook(lambda module, args, out: module)  # a cycle, as a wrap's
+    model.me = [model]
+    _left_behind = weakref.ref(model)
+
+
+def _cycle_collected(rank: int, world_size: int) -> bool:
+    return _left_behind is not None and _left_behind() is None
+
+
+def test_a_tests_cycles_are_collected_before_the_next_test() -> None:
+    """[Note: frozen between tests]: what a test leaves in cycles is collected, not frozen
+    with what lives on. Negative control: ``gc.freeze()`` before the collection in
+    ``_Task.restore`` keeps the last test's model alive and fails this test."""
+    run_ranks(_leave_a_cycle, 2)
+    assert run_ranks(_cycle_collected, 2) == [True, True]

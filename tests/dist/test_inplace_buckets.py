@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
+from shardwrap.build.root import root_of
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models
 from tests.dist.harness import run_ranks
@@ -58,12 +59,12 @@ def _out_of_plan_worker(rank: int, world_size: int) -> dict:
             dist.all_reduce(total)
             expected[info.fqn] = total / world_size
     model.comm_ledger.reset()
-    schedule = model._runtime.schedule
+    schedule = root_of(model).runtime.schedule
     schedule.start_reduce(h1, [h2, h0])  # plans h1, h2, h0
     schedule.start_reduce(h0, [h2])  # out of plan: h1 goes alone, h0 plans h0, h2
     schedule.start_reduce(h2, [])  # completes the second plan
     schedule.finish_reduces()
-    model._runtime.vote_and_assign(model.units)
+    root_of(model).runtime.vote_and_assign(model.units)
     matches = all(
         torch.equal(p.grad.reshape(-1), expected[info.fqn].reshape(-1))
         for h in (h0, h1, h2)
@@ -116,7 +117,7 @@ def _issue_wait_worker(rank: int, world_size: int, strategy: str) -> dict:
     h0, h1 = [u.handle for u in model.units if u.handle is not None][:2]
     with model.no_sync():
         models.mlp_loss(model, models.mlp_batch(rank)).backward()
-    schedule = model._runtime.schedule
+    schedule = root_of(model).runtime.schedule
     schedule.start_reduce(h1, [h0])
     schedule.start_reduce(h0, [])  # issuing the second bucket
     first_done = h1.grads.pending_grad_shard is not None
@@ -159,7 +160,7 @@ def _changing_plans_worker(rank: int, world_size: int) -> list[int]:
     for step in range(6):
         model(torch.randn(2, 4), head=step % 3).sum().backward()
         model.zero_grad(set_to_none=True)
-        kept.append(len(model._runtime.schedule.bucket_slots.buffers()))
+        kept.append(len(root_of(model).runtime.schedule.bucket_slots.buffers()))
     return kept
 
 

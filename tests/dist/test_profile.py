@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from shardwrap import profile
+from shardwrap.build.root import root_of
 from shardwrap.runtime.step import NUM_DIGEST_WORDS
 from tests.dist import parity
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
@@ -47,7 +48,7 @@ def _trainable_piece_numels(handle, rank: int) -> list[int]:
 def _check_collectives(strategy: str, model, step: profile.StepProfile) -> None:
     handles = _handles(model)
     # [Note: the last unit of forward stays gathered]: backward does not gather it again
-    last = model._runtime.schedule.previous_forward_order[-1].handle
+    last = root_of(model).runtime.schedule.previous_forward_order[-1].handle
     for label, handle in handles:
         padded_bytes = FP32_BYTES * handle.layout.padded_numel
         gathered = step.bytes("all_gather", "params", unit=label)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
+from shardwrap.build.root import root_of
 from shardwrap.runtime.step import NUM_DIGEST_WORDS
 from tests import models
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
@@ -39,9 +40,9 @@ def _traffic_worker(rank: int, world_size: int, strategy: str) -> dict:
         * sum(i.numel for h in handles for i in h.layout.params if i.requires_grad),
         "num_params": sum(len(h.layout.params) for h in handles),
         # [Note: the last unit of forward stays gathered]: backward gathers it no more
-        "last_unit_bytes": model._runtime.schedule.previous_forward_order[
-            -1
-        ].handle.layout.padded_numel
+        "last_unit_bytes": root_of(model)
+        .runtime.schedule.previous_forward_order[-1]
+        .handle.layout.padded_numel
         * 4,
     }
 

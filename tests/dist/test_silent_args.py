@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import shardwrap
 from shardwrap import wrap
 from shardwrap.base.warn_once import forget_warned
+from shardwrap.build.root import root_of
 from shardwrap.options import BackwardPrefetch, CommQuantization, CPUOffload, MixedPrecision
 from tests import models
 from tests.dist.harness import run_ranks
@@ -48,9 +49,7 @@ NON_DEFAULT: dict[str, Callable[[nn.Module], Any]] = {
     "use_orig_params": lambda model: False,
     "ignored_states": lambda model: [model.head],
     # a slice of a 2-D mesh, each rank alone (a mesh over both ranks has the default group)
-    "device_mesh": lambda model: init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))[
-        "tp"
-    ],
+    "device_mesh": lambda model: init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["tp"],
     "param_persistence_threshold": lambda model: 10**9,
     "comm_quantization": lambda model: CommQuantization(weights=True, gradients=True),
 }
@@ -58,7 +57,7 @@ NON_DEFAULT: dict[str, Callable[[nn.Module], Any]] = {
 
 def _effects(model: shardwrap.ShardedModule) -> dict:
     """What wrapping built and did, leaving out the options it only stores."""
-    schedule = model._runtime.schedule
+    schedule = root_of(model).runtime.schedule
     units = []
     for unit in model.units:
         handle = unit.handle

@@ -13,10 +13,12 @@ Hugging Face Llama in two stages (tests/dist/threed_hf_cases.py) trains as the p
 does, and ``python -m shardwrap consolidate`` turns its checkpoint into a folder that
 ``AutoModelForCausalLM.from_pretrained`` loads exactly.
 
-8 ranks on a small machine are slow to start (about 20 s of the module's 45 s on 2
-loaded cores), so the training (with the save) runs once, in a module fixture, the loads
-in one test, and the 8-rank pool, used by no other module, ends with this one (the Llama
-test reuses it: about 5 s more, measured on the shared machine).
+8 ranks used to be slow to start (8 interpreters importing torch, shardwrap and
+transformers); they are forked from the harness's preloaded server now ([Note: pooled
+ranks are forked]): the module took 88 CPU seconds before, 34 after
+(benchmarks/RESULTS.md, "Test suite cost"). The training (with the save) still runs once,
+in a module fixture, the loads in one test, and the 8-rank pool, used by no other module,
+ends with this one (the Llama test reuses it).
 """
 
 from __future__ import annotations

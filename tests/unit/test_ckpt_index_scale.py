@@ -14,7 +14,6 @@ import os
 import pytest
 
 from benchmarks import bench_ckpt_index as bench
-from shardwrap import checkpoint
 from shardwrap.ckpt import slots as ckpt_slots
 
 TINY = bench.SHAPES["tiny"]
@@ -29,7 +28,7 @@ def test_the_simulated_records_are_the_real_ones_at_every_rank(world_size):
     for rank in range(world_size):
         with bench.fake_ranks(world_size, rank):
             model, optimizer = bench.wrapped(TINY)
-            _, records = checkpoint._rank_items(ckpt_slots.model_slots(model), optimizer)
+            records = bench.real_records(ckpt_slots.model_slots(model), optimizer)
         assert sorted(records, key=repr) == sorted(bench.rank_records(layouts, rank), key=repr)
 
 

@@ -10,8 +10,8 @@ import torch
 
 from shardwrap.base.warn_once import forget_warned
 from shardwrap.deepspeed.config import DeepSpeedConfig, derive_batch_sizes
+from shardwrap.deepspeed.engine_parts import comm_quantization_of, disk_offload_of
 from shardwrap.deepspeed.optimizer import OptimizerType, SchedulerType
-from shardwrap.deepspeed.setup import comm_quantization_of, disk_offload_of
 from shardwrap.deepspeed.zero import OffloadDevice
 from shardwrap.options import CommQuantization, DiskOffload
 

@@ -146,7 +146,7 @@ def test_batch_accessors_and_config_from_args(one_rank, tmp_path):
 def test_a_shard_view_is_never_taken_for_a_freed_parameter():
     """``model.parameters()`` read after wrapping yields shard views; one may reuse the id of
     an original parameter that wrapping freed, and must still map to itself."""
-    from shardwrap.deepspeed.setup import _remap
+    from shardwrap.deepspeed.engine_parts import _remap
 
     view, other = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
     stale_names = {id(view): "other"}  # as if `view` reused the id of the freed original

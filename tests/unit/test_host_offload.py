@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwrap
-from shardwrap.deepspeed.setup import _check_prewrapped_offload
+from shardwrap.deepspeed.engine_parts import _check_prewrapped_offload
 from shardwrap.offload.host import HostStaging, host_staging_for
 from shardwrap.planner.estimate import Location, estimate_memory
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwrap
+from shardwrap.build.root import root_of
 from shardwrap.deepspeed.config import DeepSpeedConfig, PipelineConfig
 from tests import models
 
@@ -143,5 +144,5 @@ def test_initialize_pipeline_acts_on_or_refuses_the_zero_keys(one_rank):
         shardwrap.initialize(model=model, config=_config(zero_optimization=quantized))
     buckets = {"stage": 3, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 10}
     engine, *_ = shardwrap.initialize(model=model, config=_config(zero_optimization=buckets))
-    schedule = engine.module._runtime.schedule
+    schedule = root_of(engine.module).runtime.schedule
     assert (schedule.reduce_bucket_bytes, schedule.all_gather_bucket_bytes) == (4000, 40)

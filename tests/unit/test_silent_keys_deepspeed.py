@@ -27,6 +27,7 @@ from torch import nn
 
 import shardwrap
 from shardwrap.base.warn_once import forget_warned
+from shardwrap.build.root import root_of
 from shardwrap.deepspeed import config as ds_config
 from shardwrap.deepspeed import keys as ds_keys
 from shardwrap.deepspeed import optimizer as ds_optimizer
@@ -329,5 +330,5 @@ def test_bucket_sizes_become_the_engines_budgets(one_rank, zero, precision, budg
         model=nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
         config={**config, "zero_optimization": zero, **precision},
     )
-    schedule = engine.module._runtime.schedule
+    schedule = root_of(engine.module).runtime.schedule
     assert (schedule.reduce_bucket_bytes, schedule.all_gather_bucket_bytes) == budgets

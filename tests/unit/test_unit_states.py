@@ -51,3 +51,16 @@ def test_other_moves_raise_naming_the_unit_and_both_states(moves, message) -> No
         getattr(unit, move)()
     with pytest.raises(RuntimeError, match=message):
         getattr(unit, moves[-1])()
+
+
+def test_only_the_outermost_forward_leaves() -> None:
+    # A registered method (``generate``) that calls ``forward`` nests the unit's forwards;
+    # only the outermost one may reshard. Control: a leave_forward that always answers
+    # True fails the first assertion.
+    unit = make_unit()
+    unit.enter_forward()
+    unit.enter_forward()
+    assert not unit.leave_forward()
+    assert unit.leave_forward()
+    assert unit.leave_forward()  # a forward that raised left no depth below zero
+    assert unit.forward_depth == 0

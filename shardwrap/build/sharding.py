@@ -27,6 +27,7 @@ from .comms import RootComms, UnitComms
 from .deferred_init import UnitMaterializer, has_meta
 from .units import build_unit
 from .unused_args import note_param_init_fn_unused
+from .wrap_options import WrapOptions
 
 
 def build_units(
@@ -86,14 +87,10 @@ def full_precision_units(
     return [m for m in precision.excluded_modules(module, policy) if id(m) not in ignored_ids]
 
 
-def check_unsupported(cpu_offload: Any, module: nn.Module) -> None:
-    if cpu_offload is not None:
-        if not isinstance(cpu_offload, (CPUOffload, DiskOffload)):
-            raise TypeError(
-                f"cpu_offload: expected CPUOffload or DiskOffload, got {type(cpu_offload).__name__}"
-            )
-        if isinstance(cpu_offload, DiskOffload) and on_accelerator(module):
-            raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
+def check_offload_device(cpu_offload: CPUOffload | DiskOffload | None, module: nn.Module) -> None:
+    """``DiskOffload`` keeps a CPU model's shards in files; an accelerator model is refused."""
+    if isinstance(cpu_offload, DiskOffload) and on_accelerator(module):
+        raise ValueError("cpu_offload: DiskOffload of accelerator models is not supported")
 
 
 def resolve_ignored(
@@ -139,55 +136,32 @@ def shard_root(
     module: nn.Module,
     comms: RootComms,
     absorbed: list[Unit],
-    *,
-    policy: Any,
-    ignored: set[nn.Module],
-    param_init_fn: Callable[[nn.Module], None] | None,
-    device_id: int | torch.device | None,
-    sync_module_states: bool,
-    strategy: ShardingStrategy,
-    mixed_precision: MixedPrecision | None,
+    options: WrapOptions,
     shard_allocator: ShardAllocator | None,
-    threshold: int,
-    options: str,
-    make_layout: Callable[..., Any] = FlatLayout.build,
 ) -> tuple[list[Unit], list[nn.Module]]:
     """Shard ``module`` into units (``absorbed`` ones aside): the new units, and the
     modules that mixed precision leaves in full precision. ``shard_allocator``: where
-    shards live (``None``: on the device); ``threshold``: see [Note: parameter persistence].
-    Before any collective, every rank checks that all plan the same (``options``: the rest
-    of what they must agree on; see [Note: rank agreement]).
+    shards live (``None``: on the device). Before any collective, every rank checks that
+    all plan the same units and options ([Note: rank agreement]).
     """
     deferred = has_meta(module)
-    if param_init_fn is not None and not deferred:
+    if options.param_init_fn is not None and not deferred:
         note_param_init_fn_unused()  # [Note: FSDP1 arguments not acted on]
+    device_id = options.device_id
     device = torch.device("cpu") if device_id is None else torch.device(device_id)
     if device_id is not None and not deferred:
         module.to(device)
-    excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
-    absorbed_modules = {u.module for u in absorbed}
-    unit_modules = select_units(module, policy, ignored | absorbed_modules)
-    full_precision = full_precision_units(module, mixed_precision, ignored)
-    unit_modules += [m for m in full_precision if m not in unit_modules]
-    precision.cast_buffers(module, mixed_precision, keep=full_precision)
-    records = collect_params(module, ignored, excluded)
-    if not deferred:
-        check_one_device(records)
-    if (deferred or sync_module_states) and any(isinstance(r.param, DTensor) for r in records):
-        raise ValueError(
-            "sync_module_states / meta-device initialisation: not supported for DTensor "
-            "(tensor-parallel) parameters; initialise them before parallelize_module"
-        )
-    owned = assign_params(module, unit_modules, records)
-    entries = plan_entries(module, unit_modules, owned, strategy, mixed_precision, full_precision)
-    options += f", sync_module_states={sync_module_states}, persistence threshold {threshold}"
-    check_plan(comms, strategy, entries, options)
-    del records  # [Note: unit-by-unit materialisation]: full tensors die unit by unit
+    unit_modules, full_precision, owned = _plan_units(module, absorbed, options, deferred)
+    strategy, sync_module_states = options.sharding_strategy, options.sync_module_states
+    entries = plan_entries(
+        module, unit_modules, owned, strategy, options.mixed_precision, full_precision
+    )
+    check_plan(comms, strategy, entries, options.agreed())
     materializer = UnitMaterializer(
         module,
         unit_modules,
-        ignored,
-        param_init_fn,
+        options.ignored,
+        options.param_init_fn,
         device,
         sync_comm=comms.world if sync_module_states else None,
     )
@@ -199,15 +173,39 @@ def shard_root(
         shard_comm=comms.shard,
         replicate_comm=comms.replicate,
         strategy=strategy,
-        mixed_precision=mixed_precision,
+        mixed_precision=options.mixed_precision,
         full_precision=full_precision,
         shard_allocator=shard_allocator,
-        persistent=(comms.persistent, threshold),
-        make_layout=make_layout,  # the FSDP2 door: ChunkLayout.build
+        persistent=(comms.persistent, options.param_persistence_threshold),
     )
     if deferred or sync_module_states:
-        materializer.finish(module, ignored)
+        materializer.finish(module, options.ignored)
     return new_units, full_precision
+
+
+def _plan_units(
+    module: nn.Module, absorbed: list[Unit], options: WrapOptions, deferred: bool
+) -> tuple[list[nn.Module], list[nn.Module], dict[int, list]]:
+    """The unit modules below ``module``, those kept in full precision, and the parameter
+    records each unit will own. Only the owned records survive the call: full tensors
+    then die unit by unit ([Note: unit-by-unit materialisation])."""
+    ignored, mixed_precision = options.ignored, options.mixed_precision
+    excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
+    absorbed_modules = {u.module for u in absorbed}
+    unit_modules = select_units(module, options.auto_wrap_policy, ignored | absorbed_modules)
+    full_precision = full_precision_units(module, mixed_precision, ignored)
+    unit_modules += [m for m in full_precision if m not in unit_modules]
+    precision.cast_buffers(module, mixed_precision, keep=full_precision)
+    records = collect_params(module, ignored, excluded)
+    if not deferred:
+        check_one_device(records)
+    uses_dtensor = any(isinstance(r.param, DTensor) for r in records)
+    if (deferred or options.sync_module_states) and uses_dtensor:
+        raise ValueError(
+            "sync_module_states / meta-device initialisation: not supported for DTensor "
+            "(tensor-parallel) parameters; initialise them before parallelize_module"
+        )
+    return unit_modules, full_precision, assign_params(module, unit_modules, records)
 
 
 def disk_store_for(cpu_offload: object, group_rank: int) -> DiskStore | None:

@@ -12,9 +12,10 @@ from ..options import CommQuantization
 from .comms import RootComms
 
 
-def quantize_comms(value: object, units: list[Unit], comms: RootComms) -> CommQuantization | None:
-    """Validate ``comm_quantization`` and equip the sharded handles of ``units`` with it."""
-    config = CommQuantization.parse(value)
+def quantize_comms(
+    config: CommQuantization | None, units: list[Unit], comms: RootComms
+) -> CommQuantization | None:
+    """Equip the sharded handles of ``units`` with ``config`` (returned as given)."""
     if config is None or not config.enabled:
         return config
     hpz = hpz_communicator(config.hpz_partition_size, comms)

@@ -14,12 +14,14 @@ element-wise.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ..build.setup import on_accelerator
+from ..build.root import is_root
+from ..build.sharding import on_accelerator
+from ..build.wrap_options import WrapOptions
 from ..options import CommQuantization, CPUOffload, DiskOffload, MixedPrecision
 from ..planner.estimate import STAGE_STRATEGIES
 from ..wrap import ShardedModule
@@ -46,9 +48,23 @@ ELEMENTWISE_OPTIMIZERS = (
 
 
 def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any) -> ShardedModule:
-    """``ShardedModule(model)`` with the strategy of ``zero_optimization.stage``."""
+    """``model`` wrapped as the config says (or checked against it, when already wrapped)."""
+    options = wrap_options_of(model, config, auto_wrap_policy)
+    if is_root(model):  # a ShardedModule already (a unit module of one is not a root)
+        sharded = cast(ShardedModule, model)
+        _check_prewrapped(sharded, config, options)
+    else:
+        sharded = ShardedModule.from_options(model, options)
+    apply_buckets(sharded, config.zero_optimization)
+    return sharded
+
+
+def wrap_options_of(
+    model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any
+) -> WrapOptions:
+    """The config as ``WrapOptions``: the strategy of ``zero_optimization.stage``, offload,
+    bf16/fp16, the persistence threshold and the ZeRO++ keys."""
     zero = config.zero_optimization
-    strategy = STAGE_STRATEGIES[zero.stage]
     cpu_offload: CPUOffload | DiskOffload | None = None
     if OffloadDevice.CPU in (zero.offload_param.device, zero.offload_optimizer.device):
         # One mechanism for both keys: the optimizer steps where the master shards live, so
@@ -62,39 +78,38 @@ def wrap_model(model: nn.Module, config: DeepSpeedConfig, auto_wrap_policy: Any)
                 "offload_optimizer {device: nvme} is not supported"
             )
         cpu_offload = disk_offload
-    if isinstance(model, ShardedModule):
-        if model.mixed_precision != mixed_precision_of(config):
-            raise ValueError(
-                f"model: a ShardedModule with mixed_precision={model.mixed_precision} does not "
-                f"match the config's bf16/fp16 blocks ({mixed_precision_of(config)})"
-            )
-        _check_prewrapped_offload(model, cpu_offload)
-        if model.sharding_strategy is not strategy:
-            raise ValueError(
-                f"model: already a ShardedModule with {model.sharding_strategy.name}, but "
-                f"zero_optimization.stage {zero.stage} means {strategy.name}"
-            )
-        threshold = zero.unit_persistence_threshold
-        if threshold and threshold != model.param_persistence_threshold:
-            raise ValueError(
-                f"model: a ShardedModule with param_persistence_threshold="
-                f"{model.param_persistence_threshold}, but the config's "
-                f"zero_optimization.stage3_param_persistence_threshold is {threshold}"
-            )
-        _check_prewrapped_quantization(model, comm_quantization_of(zero))
-        sharded = model
-    else:
-        sharded = ShardedModule(
-            model,
-            sharding_strategy=strategy,
-            auto_wrap_policy=auto_wrap_policy,
-            cpu_offload=cpu_offload,
-            mixed_precision=mixed_precision_of(config),
-            param_persistence_threshold=zero.unit_persistence_threshold,
-            comm_quantization=comm_quantization_of(zero),
+    return WrapOptions(
+        sharding_strategy=STAGE_STRATEGIES[zero.stage],
+        auto_wrap_policy=auto_wrap_policy,
+        cpu_offload=cpu_offload,
+        mixed_precision=mixed_precision_of(config),
+        param_persistence_threshold=zero.unit_persistence_threshold,
+        comm_quantization=comm_quantization_of(zero),
+    )
+
+
+def _check_prewrapped(model: ShardedModule, config: DeepSpeedConfig, wanted: WrapOptions) -> None:
+    """A model wrapped before ``initialize`` must already be what the config asks for."""
+    zero = config.zero_optimization
+    if model.mixed_precision != wanted.mixed_precision:
+        raise ValueError(
+            f"model: a ShardedModule with mixed_precision={model.mixed_precision} does not "
+            f"match the config's bf16/fp16 blocks ({wanted.mixed_precision})"
         )
-    apply_buckets(sharded, zero)
-    return sharded
+    _check_prewrapped_offload(model, wanted.cpu_offload)
+    if model.sharding_strategy is not wanted.sharding_strategy:
+        raise ValueError(
+            f"model: already a ShardedModule with {model.sharding_strategy.name}, but "
+            f"zero_optimization.stage {zero.stage} means {wanted.sharding_strategy.name}"
+        )
+    threshold = wanted.param_persistence_threshold
+    if threshold and threshold != model.param_persistence_threshold:
+        raise ValueError(
+            f"model: a ShardedModule with param_persistence_threshold="
+            f"{model.param_persistence_threshold}, but the config's "
+            f"zero_optimization.stage3_param_persistence_threshold is {threshold}"
+        )
+    _check_prewrapped_quantization(model, wanted.comm_quantization)
 
 
 def apply_buckets(sharded: ShardedModule, zero: ZeroConfig) -> None:

@@ -1,0 +1,185 @@
+"""``save_checkpoint``: every rank writes what it owns, then world rank 0 commits the index.
+
+Each rank stages what every state kind saves ([Note: state kinds] in piece_records.py; the
+table in kinds.py): pieces for its safetensors file (read lazily while writing, or copied
+to host buffers first for an asynchronous save), files of its own (the run state's) and
+header records. It writes them, then reports (:class:`~.records.RankReport`, as JSON) to
+world rank 0, which commits the index (commit.py) once every rank's files are durable.
+
+Every rank reports success or its error to all others before anyone goes on, so a failure
+on one rank raises on all of them instead of leaving the rest waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..base.gc_pause import gc_paused
+from ..base.validate import check_bool
+from ..comm.collectives import Communicator
+from . import async_save, fragments, run_state
+from .async_save import AsyncSave
+from .commit import commit_index
+from .format import CheckpointError, FileEntry, read_index, shard_file_name, write_atomic
+from .kinds import save_all
+from .outcome import Outcome, agree_on_id, check_json, guarded, settle
+from .piece_records import RankReport, SaveContext, Saved, SentFragment
+from .safetensors_writer import write_stream
+from .slots import ModelSlots, model_slots
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Any = None,
+    sampler: Any = None,
+    asynchronous: bool = False,
+    on_commit: Callable[[], None] | None = None,
+) -> AsyncSave | None:
+    """Save ``model`` (and ``optimizer``) to the folder ``path``; call on every rank.
+
+    ``extra`` is any JSON value (step, epoch, scheduler state); it comes back from
+    :func:`load_checkpoint`. Every rank also records its random number generators and
+    ``sampler.state_dict()`` (the data position, e.g. of a
+    :class:`~shardwrap.data.sampler.ResumableSampler`) in a small file of its own
+    ([Note: run state files]). The checkpoint becomes visible only once complete.
+
+    With ``asynchronous`` (the same on every rank), the state is copied into host buffers
+    and an :class:`~shardwrap.ckpt.async_save.AsyncSave` is returned at once; its files are
+    written, hashed and committed in the background, and ``result()`` raises any failure
+    ([Note: asynchronous saves]). Any save first waits for the model's save in flight.
+    ``on_commit`` runs on world rank 0 once the index is written, before any rank learns
+    that the save succeeded (its failure fails the save).
+    """
+    check_bool("asynchronous", asynchronous)
+    if on_commit is not None and not callable(on_commit):
+        raise TypeError(f"on_commit: expected a callable, got {type(on_commit).__name__}")
+    root = os.fspath(path)
+    slots = model_slots(model)
+    comm = slots.world_comm
+    async_save.wait_for_previous(model)
+
+    def open_save() -> None:
+        run_state.check_sampler("sampler", sampler, "state_dict")
+        check_json("extra", extra)
+
+    # One all-reduce agrees on rank 0's save id and on whether every rank may go on.
+    opening = guarded(open_save)
+    save_id, failures = agree_on_id(comm, opening.error is not None)
+    settle(comm, "save", root, opening.error, failures=failures)
+    saver = async_save.saver_of(model, comm) if asynchronous else None
+    staged = guarded(lambda: _stage_rank(SaveContext(save_id, slots, optimizer, sampler), saver))
+    if saver is not None:
+        extra = json.loads(json.dumps(extra, allow_nan=True))  # as of now, not of the commit
+    job = SaveJob(root, save_id, slots, optimizer, extra, on_commit)
+    finish = functools.partial(_finish_save, job, staged)
+    if saver is None:
+        finish(comm)
+        return None
+    return saver.start(root, finish)
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """What this rank saves, as of the call."""
+
+    saved: Saved  # every state kind's pieces, files of its own and header records
+    fragment: SentFragment  # its description of the model ([Note: checkpoints of pipeline stages])
+
+
+@dataclass(frozen=True, slots=True)
+class SaveJob:
+    """What the end of a save needs besides the staged state."""
+
+    root: str
+    save_id: str
+    slots: ModelSlots
+    optimizer: torch.optim.Optimizer | None
+    extra: Any  # JSON, as of the call
+    on_commit: Callable[[], None] | None
+
+
+def _stage_rank(ctx: SaveContext, saver) -> Staged:
+    """What this rank saves, as of now: its pieces (read lazily while writing, or copied to
+    ``saver``'s host buffers), their records, its own files and its fragment."""
+    saved = save_all(ctx)
+    part = fragments.to_send(ctx.slots, fragments.fragment(ctx.slots, ctx.optimizer))
+    if saver is not None:
+        saved.items, part = saver.stage(saved.items), copy.deepcopy(part)
+    return Staged(saved, part)
+
+
+def _finish_save(job: SaveJob, staged: Outcome[Staged], comm: Communicator) -> None:
+    """Write this rank's files, gather the reports on ``comm``, commit on its rank 0."""
+    rank = job.slots.world_comm.rank
+    report = RankReport(staged.error)
+    if staged.value is not None:
+        written = guarded(lambda: _write_rank_files(job.root, job.save_id, rank, staged.value))
+        report = written.value or RankReport(written.error)
+    names = [report.file] + ([n for n, _ in staged.value.saved.files] if staged.value else [])
+    undo = lambda: _drop_uncommitted(job.root, job.save_id, names)  # noqa: E731
+    # Only rank 0 receives the ranks' records (a gather, as JSON values):
+    # docs/checkpoint-format.md.
+    gathered = comm.gather_object(report.to_json(), purpose="checkpoint")
+    error = report.error
+    if comm.rank == 0:
+        with gc_paused():  # millions of pieces at scale: see base/gc_pause.py
+            error = _commit_unless_failed(job, gathered, staged.value)
+    settle(comm, "save", job.root, error, undo)
+
+
+def _commit_unless_failed(job: SaveJob, gathered: list, own: Staged | None) -> str | None:
+    """World rank 0: the ranks' errors, or the index written (and its error, if any)."""
+    parsed = guarded(lambda: [RankReport.from_json(r, raw) for r, raw in enumerate(gathered)])
+    if parsed.value is None:
+        return parsed.error
+    failed = [(rank, r.error) for rank, r in enumerate(parsed.value) if r.error]
+    if failed:
+        return "; ".join(f"rank {rank}: {error}" for rank, error in failed)
+    assert own is not None  # rank 0's own report did not fail
+    reports, meta = parsed.value, own.saved.meta
+
+    def commit() -> None:
+        commit_index(job.root, job.save_id, job.slots, job.optimizer, reports, job.extra, meta)
+        if job.on_commit is not None:
+            job.on_commit()
+
+    return guarded(commit).error
+
+
+def _drop_uncommitted(root: str, save_id: str, names: list[str | None]) -> None:
+    """After a failed save: remove this rank's new files unless the index already names them."""
+    try:
+        committed = read_index(root).meta.get("save_id")
+    except (OSError, CheckpointError):
+        committed = None
+    if committed != save_id:
+        for name in filter(None, names):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(root, name))
+
+
+def _write_rank_files(root: str, save_id: str, rank: int, staged: Staged) -> RankReport:
+    """This rank's safetensors file and its own files, durably; its report."""
+    os.makedirs(root, exist_ok=True)
+    saved = staged.saved
+    name = entry = None
+    if saved.items:
+        name = shard_file_name(save_id, rank)
+        meta = {"format": "pt", "save_id": save_id}
+        written = write_stream(os.path.join(root, name), saved.items, meta)
+        entry = FileEntry(written.size, written.sha256, written.chunk_bytes, written.chunk_sha256)
+    for file_name, data in saved.files:
+        write_atomic(root, file_name, data)
+    return RankReport(None, name, entry, tuple(saved.records), staged.fragment)
