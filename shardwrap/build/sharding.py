@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from ..core.unit import Unit
 from ..layout.flat import FlatLayout
 from ..layout.partition import assign_params, collect_params
 from ..layout.persistence import is_persistent
+from ..layout.shard_layout import LayoutBuilder
 from ..offload.disk import DiskStore
 from ..options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy
 from ..policies import select_units
@@ -43,7 +44,7 @@ def build_units(
     full_precision: list[nn.Module],
     shard_allocator=None,
     persistent: tuple[UnitComms | None, int] = (None, 0),
-    make_layout: Callable[..., Any] = FlatLayout.build,
+    make_layout: LayoutBuilder = FlatLayout.build,
 ) -> list[Unit]:
     """One unit per module, root first; materialise each right before it is sharded.
 
@@ -177,6 +178,7 @@ def shard_root(
         full_precision=full_precision,
         shard_allocator=shard_allocator,
         persistent=(comms.persistent, options.param_persistence_threshold),
+        make_layout=options.layout.builder(comms.shard.size),
     )
     if deferred or sync_module_states:
         materializer.finish(module, options.ignored)

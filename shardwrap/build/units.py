@@ -3,8 +3,6 @@ which parameters it owns)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import nn
 
 from ..comm.collectives import Communicator
@@ -13,9 +11,9 @@ from ..core.storage import ShardAllocator
 from ..core.tensor_parallel import local_tensor, tp_spec_of
 from ..core.unit import Unit
 from ..flat_param import FlatParamHandle
-from ..layout.chunks import ChunkLayout
 from ..layout.flat import FlatLayout
 from ..layout.partition import ParamRecord
+from ..layout.shard_layout import LayoutBuilder
 from ..options import MixedPrecision, ShardingStrategy
 
 
@@ -29,7 +27,7 @@ def build_unit(
     strategy: ShardingStrategy,
     mixed_precision: MixedPrecision | None = None,
     shard_allocator: ShardAllocator | None = None,
-    make_layout: Callable[..., FlatLayout | ChunkLayout] = FlatLayout.build,
+    make_layout: LayoutBuilder = FlatLayout.build,
 ) -> Unit:
     """Flatten ``records`` into one handle (none if empty) and make the unit.
 

@@ -47,5 +47,5 @@ def register_group_hooks(unit: Unit, modules: list[nn.Module]) -> None:
         return hooks.post_forward(unit, _runtime(unit), module, args, kwargs, output)
 
     for module in modules:
-        unit.hook_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        unit.hook_handles.append(module.register_forward_hook(post, with_kwargs=True))
+        unit.add_hook_handle(module.register_forward_pre_hook(pre, with_kwargs=True))
+        unit.add_hook_handle(module.register_forward_hook(post, with_kwargs=True))

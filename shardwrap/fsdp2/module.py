@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ..base.validate import check_bool
+from ..core.unit import Unit
 from .state import runtime_for, state_of
 
 _CLASSES: dict[type, type] = {}
@@ -29,16 +30,14 @@ class UnshardHandle:
 
     def wait(self) -> None:
         """Wait for the all-gather and show the full parameters on the module."""
-        handle = _handle(self._module)
-        if handle is not None:
-            handle.unshard()
+        runtime_for(self._module).unshard_unit(_unit(self._module))
 
 
-def _handle(module: nn.Module):
+def _unit(module: nn.Module) -> Unit:
     state = state_of(module)
     if state is None:
         raise RuntimeError(f"{type(module).__name__}: fully_shard was not called on it")
-    return state.unit.handle
+    return state.unit
 
 
 def _refused(name: str, why: str):
@@ -57,20 +56,14 @@ class FSDPModule:
         """All-gather this module's unit and show the full parameters; with ``async_op``,
         only issue the all-gather and return a handle whose ``wait()`` completes it."""
         module: Any = self
-        handle = _handle(module)
-        if check_bool("async_op", async_op):
-            if handle is not None:
-                handle.start_unshard()
-            return UnshardHandle(module)
-        if handle is not None:
-            handle.unshard()
-        return None
+        wait = not check_bool("async_op", async_op)
+        runtime_for(module).unshard_unit(_unit(module), wait=wait)
+        return None if wait else UnshardHandle(module)
 
     def reshard(self) -> None:
         """Free this module's gathered parameters and show the shards (DTensors) again."""
-        handle = _handle(self)  # type: ignore[arg-type]
-        if handle is not None:
-            handle.reshard(free=True)
+        module: Any = self
+        runtime_for(module).reshard_unit(_unit(module))
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -99,7 +92,7 @@ class FSDPModule:
             state = state_of(module)
             if state is not None:
                 state.reshard_after_forward = value
-                state.unit.reshard_after_forward_override = value
+                state.unit.set_reshard_after_forward(value)
 
     _order = "shardwrap prefetches the next unit in forward and backward order by itself"
     set_modules_to_forward_prefetch = _refused("set_modules_to_forward_prefetch", _order)

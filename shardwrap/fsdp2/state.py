@@ -2,8 +2,9 @@
 
 One record per call, kept against the module weakly (as FSDP2 keeps its state against
 the module): the unit the call made, the mesh, the call's ``reshard_after_forward``, and,
-for the module whose call owns a runtime now (the root so far), that runtime and its
-root forward hook. A later call on an ancestor adopts the units and clears those.
+for the module whose call is a root now (the outermost so far), that ``ShardRoot`` (kept
+alive here: ``build/root.py``'s registry holds it weakly) and its forward hook. A later
+call on an ancestor adopts the units and clears those.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..build.root import ShardRoot
 from ..core.unit import Unit
 from ..runtime import registry
 from ..runtime.step import StepRuntime
@@ -29,7 +31,7 @@ class DoorUnit:
     # As given (set_reshard_after_forward changes it); None: False for the root, else True.
     reshard_after_forward: bool | None
     members: tuple[nn.Module, ...]  # the modules of the call (several: a list as one unit)
-    runtime: StepRuntime | None = None  # set while this call's module is the root
+    root: ShardRoot | None = None  # set while this call's module is a root
     root_hook: Any = None  # the root's forward pre-hook handle (begin_forward)
 
 

@@ -92,3 +92,24 @@ def resharding(rank: int, world_size: int, block_setting: bool | None) -> dict:
     after_forward = gathered()
     loss.backward()
     return {"after_forward": after_forward, "after_backward": gathered()}
+
+
+def stepped_units(rank: int, world_size: int) -> dict[str, int]:
+    """Optimizer steps the step runtime noted per unit after one SGD step (each unit must
+    count one: the note is what marks its gathered copy stale when a step bumps no
+    version, [Note: optimizer steps that bump no version] in flat_param.py)."""
+    from shardwrap.fsdp2.state import state_of
+
+    torch.manual_seed(0)
+    model = fc.TinyModel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        shardwrap.fully_shard(block, mesh=mesh)
+    shardwrap.fully_shard(model, mesh=mesh)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx, target = fc.batch(0, rank)
+    loss = torch.nn.functional.cross_entropy(model(idx).reshape(-1, fc.OUT), target.reshape(-1))
+    loss.backward()
+    optim.step()
+    units = {"root": model, **{f"block{i}": b for i, b in enumerate(model.blocks)}}
+    return {name: state_of(m).unit.handle.shard_version[1] for name, m in units.items()}

@@ -71,3 +71,11 @@ def test_reshard_after_forward_frees_what_it_says(block_setting, block_kept):
     for found in run_ranks(api.resharding, 2, block_setting):
         assert found["after_forward"] == {"root": True, "block0": block_kept, "block1": block_kept}
         assert not any(found["after_backward"].values())
+
+
+def test_the_optimizer_step_notes_every_unit_of_the_door():
+    """The root's own unit counts too: its shard views became DTensors after its runtime
+    started, so the runtime indexes them again (``StepRuntime.index_shard_views``).
+    Negative control (run once): without that call the root's count stayed 0."""
+    for counts in run_ranks(api.stepped_units, 2):
+        assert counts == {"root": 1, "block0": 1, "block1": 1}, counts

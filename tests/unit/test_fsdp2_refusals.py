@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 import shardwrap
+from shardwrap.fsdp2.fully_shard_args import parse_options
 from shardwrap.fsdp2.module import FSDPModule, as_fsdp_module
-from shardwrap.fsdp2.options import parse_options
 
 DEFAULTS = dict(
     reshard_after_forward=None,
