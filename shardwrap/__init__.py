@@ -22,6 +22,7 @@ from .fsdp1_options import (
     StateDictConfig,
     StateDictSettings,
 )
+from .fsdp2 import FSDPModule, fully_shard
 from .install import install, is_installed, uninstall
 from .options import (
     BackwardPrefetch,
@@ -54,6 +55,7 @@ __all__ = [
     "CPUOffload",
     "DeepSpeedConfig",
     "DiskOffload",
+    "FSDPModule",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "PipelineEngine",
@@ -66,6 +68,7 @@ __all__ = [
     "add_config_arguments",
     "comm",
     "estimate_memory",
+    "fully_shard",
     "hybrid_process_groups",
     "init_distributed",
     "initialize",

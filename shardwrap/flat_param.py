@@ -46,7 +46,6 @@ what they were when it was gathered (:attr:`shard_version`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,11 +54,14 @@ from torch import nn
 from .base.pages import release_resident
 from .base.torch_compat import preserve_version_counter
 from .comm.collectives import ROOT_LABEL, Communicator
+from .core.chunk_copy import copy_out, landing_for, place_gathered, take_shard
 from .core.comm_quant import UnitCommQuant
 from .core.grads import UnitGrads
+from .core.pending_gather import PendingGather
 from .core.precision import HandlePrecision
 from .core.storage import HostStorage, ShardAllocator, StagedShard
 from .core.tensor_parallel import TPSpec, as_parameter, shard_dim_comms
+from .layout.chunks import ChunkLayout
 from .layout.flat import FlatLayout
 from .layout.partition import ParamSite
 from .options import ShardingStrategy
@@ -73,17 +75,6 @@ class ShardedState(enum.Enum):
     UNSHARDED = "UNSHARDED"  # module shows full views; flat_full holds gathered parameters
 
 
-@dataclass(frozen=True, slots=True)
-class _PendingGather:
-    """An all-gather into a handle's ``flat_full`` that was issued and not yet waited for."""
-
-    work: Any  # the collective's work, or the fused bucket that fills flat_full on wait
-    version: ShardVersion  # shard_version when the shard was read
-    version_guard: Any  # restores flat_full's autograd version ([Note: version counters])
-    input: torch.Tensor | None  # its input, alive until it is done (None: a bucket holds it)
-    staged: StagedShard | None  # CPUOffload: the staged input's copy event, waited with it
-
-
 class FlatParamHandle:
     """A unit's parameters: the flat shard and the gathered buffer (gradients: ``grads``)."""
 
@@ -91,7 +82,7 @@ class FlatParamHandle:
         self,
         *,
         unit_name: str,
-        layout: FlatLayout,
+        layout: FlatLayout | ChunkLayout,
         params: list[nn.Parameter],
         sites: list[list[ParamSite]],
         shard_comm: Communicator,
@@ -143,7 +134,7 @@ class FlatParamHandle:
         self._num_shard_updates = 0
         self._gathered_version: ShardVersion | None = None  # shard_version at the last gather
         # The all-gather into flat_full issued ahead (prefetch, a bucket), not yet waited.
-        self._pending: _PendingGather | None = None
+        self._pending: PendingGather | None = None
         # Fixed at wrap time, as the layout's flags are; a unit with none never reduces.
         self.wrapped_requires_grad = [info.requires_grad for info in layout.params]
         self.has_trainable_params = any(self.wrapped_requires_grad)
@@ -160,8 +151,9 @@ class FlatParamHandle:
         with torch.no_grad():
             for info, param in zip(layout.params, params, strict=True):
                 flat_init[info.offset : info.end].copy_(param.detach().reshape(-1))
-        start, end = layout.shard_range(self.shard_comm.rank)
-        flat_shard = flat_init if self.num_shards == 1 else flat_init[start:end].clone()
+        # 1D, shard_numel elements; the same tensor as flat_full unless separate_full.
+        rank = self.shard_comm.rank
+        flat_shard = flat_init if self.num_shards == 1 else take_shard(layout, flat_init, rank)
         if shard_allocator is not None:  # the shard lives elsewhere (DiskOffload: a mapped file)
             placed = shard_allocator(self.unit_name, layout.shard_numel, dtype)
             with torch.no_grad():
@@ -290,16 +282,18 @@ class FlatParamHandle:
         self._allocate_full()
         shard, staged = self.gather_source()
         guard = preserve_version_counter(self.flat_full)
+        landing = landing_for(self.layout, self.flat_full)  # None: they land in flat_full
         with guard:
             if self.comm_quant is not None:
                 work = self.comm_quant.gather(
                     self.shard_comm, self.flat_full, shard, version=version, unit=self.comm_label
                 )
             else:
+                target = self.flat_full if landing is None else landing
                 work = self.shard_comm.all_gather(
-                    self.flat_full, shard, purpose="params", unit=self.comm_label
+                    target, shard, purpose="params", unit=self.comm_label
                 )
-        self._pending = _PendingGather(work, version, guard, shard, staged)
+        self._pending = PendingGather(work, version, guard, shard, staged, landing)
 
     def _finish_gather(self) -> None:
         pending = self._pending
@@ -309,6 +303,8 @@ class FlatParamHandle:
         # thread): restore the version from before it was issued, see [Note: version counters].
         with pending.version_guard:
             pending.work.wait()
+            if pending.landing is not None:
+                copy_out(self.layout, pending.landing, self.flat_full)
         if pending.staged is not None:  # [Note: asynchronous copies from pinned memory]
             pending.staged.wait_copied()
         self._pending = None
@@ -349,7 +345,7 @@ class FlatParamHandle:
         self._allocate_full()
         # As for a plain all-gather: see [Note: version counters].
         with torch.no_grad(), preserve_version_counter(self.flat_full):
-            self.flat_full.view(self.num_shards, -1).copy_(full_by_rank)
+            place_gathered(self.layout, full_by_rank, self.flat_full)
         self._gathered_version = version
 
     def adopt_gather(self, work: Any, *, version: ShardVersion, staged: StagedShard | None) -> None:
@@ -358,7 +354,7 @@ class FlatParamHandle:
         ``staged``: what :meth:`gather_source` returned with this handle's input.
         """
         guard = preserve_version_counter(self.flat_full)
-        self._pending = _PendingGather(work, version, guard, None, staged)
+        self._pending = PendingGather(work, version, guard, None, staged)
 
     def reshard(self, *, free: bool) -> None:
         """Show the shard views; free the gathered storage if ``free`` (runtime/step.py's call)."""

@@ -1,13 +1,14 @@
-"""``shardwrap.install()``: code that builds torch's FSDP1 builds shardwrap's instead.
+"""``shardwrap.install()``: code that builds torch's FSDP1 (or FSDP2) builds shardwrap's.
 
 Frameworks build ``FullyShardedDataParallel`` themselves (accelerate's ``prepare``, the
 Hugging Face ``Trainer`` with ``fsdp=...``, Lightning's FSDP strategy); their users never
 write the call. ``install()`` rebinds torch's name for the class, in every torch module
 that holds it, to ``shardwrap.FullyShardedDataParallel``; code that looks the name up when
 it runs (accelerate imports it inside the functions that wrap, check and save) then builds
-and recognises ours. ``uninstall()`` restores torch's. Call ``install()`` before the
-framework code runs; a module that bound torch's class at its own import, before
-``install()``, keeps it.
+and recognises ours. FSDP2's ``fully_shard`` and ``FSDPModule`` (in
+``torch.distributed.fsdp`` and ``torch.distributed._composable.fsdp``) are rebound too.
+``uninstall()`` restores torch's. Call ``install()`` before the framework code runs; a
+module that bound torch's class at its own import, before ``install()``, keeps it.
 
 ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict``, ``set_state_dict``,
 ``get_model_state_dict``, ``get_optimizer_state_dict``, ``set_model_state_dict`` and
@@ -28,6 +29,8 @@ from typing import Any
 
 from .build.root import is_root
 from .ckpt import dcp
+from .fsdp2 import FSDPModule, fully_shard
+from .fsdp2.state import state_of
 from .wrap import FullyShardedDataParallel
 
 _DSD = "torch.distributed.checkpoint.state_dict"
@@ -39,12 +42,19 @@ _REBOUND: dict[tuple[str, str], Any] = {
         "FullyShardedDataParallel",
     ): FullyShardedDataParallel,
 }
+# FSDP2's entry point and class: code that calls torch's fully_shard builds shardwrap's,
+# and isinstance(m, torch's FSDPModule) holds for it.
+for _module_name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+    _REBOUND[(_module_name, "fully_shard")] = fully_shard
+    _REBOUND[(_module_name, "FSDPModule")] = FSDPModule
 # (torch module, name) -> torch's original, while installed.
 _ORIGINALS: dict[tuple[str, str], Any] = {}
 
 
 def _holds_shardwrap(model: Any) -> bool:
-    return any(is_root(m) for m in model.modules())
+    """Whether ``model`` holds an FSDP1-door root. An FSDP2-door model is FSDP2 to torch's
+    state-dict functions (DTensor parameters), so they serve it themselves."""
+    return any(is_root(m) and state_of(m) is None for m in model.modules())
 
 
 def _dispatch(name: str, ours: Any) -> Any:

@@ -79,7 +79,7 @@ def build_root(module: nn.Module, options: WrapOptions, *, holder: nn.Module) ->
 def _hook_units(root: ShardRoot, new_units: list[Unit], full_precision: list[nn.Module]) -> None:
     """Make units FSDP instances to whoever looks, hook the new ones, install the casts."""
     for unit in root.units:  # [Note: units as FSDP instances]
-        if unit.module is not root.module:
+        if unit.module is not root.module and root.options.fsdp1_units:
             as_fsdp_unit(unit.module)
     for unit in new_units:
         hooks.register(unit)

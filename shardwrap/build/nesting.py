@@ -15,7 +15,7 @@ from torch import nn
 from ..core.unit import Unit
 from ..policies import PolicyCallable
 from ..runtime import registry
-from .root import find_root, is_root
+from .root import find_root, forget_root, is_root
 
 
 def check_not_wrapped(module: object) -> None:
@@ -64,5 +64,8 @@ def absorb_nested(module: nn.Module, *, policy: PolicyCallable | None = None) ->
                 for unit in units:
                     unit.rename(path)
                 adopted.extend(units)
-                parent._modules[child_name] = nested.module
+                if any(c is nested.module for c in child.children()):  # a wrapper: unwrap
+                    parent._modules[child_name] = nested.module
+                else:  # the holder is the module, or a list unit's first one: it stays
+                    forget_root(child)
     return adopted

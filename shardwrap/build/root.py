@@ -65,6 +65,12 @@ def add_root(holder: nn.Module, root: ShardRoot) -> None:
     registry.add_units(root.runtime)
 
 
+def forget_root(holder: nn.Module) -> None:
+    """``holder`` is no root any more: an enclosing root adopted its units, and the holder
+    stays in the tree (the FSDP2 door's module; a ``ShardedModule`` leaves the tree)."""
+    _ROOTS.pop(holder, None)
+
+
 def find_root(module: nn.Module) -> ShardRoot | None:
     """The root ``module`` holds, or ``None`` when it is no root (a unit module is not)."""
     ref = _ROOTS.get(module)

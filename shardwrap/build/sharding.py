@@ -14,8 +14,10 @@ from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..core.storage import ShardAllocator
 from ..core.unit import Unit
+from ..layout.flat import FlatLayout
 from ..layout.partition import assign_params, collect_params
 from ..layout.persistence import is_persistent
+from ..layout.shard_layout import LayoutBuilder
 from ..offload.disk import DiskStore
 from ..options import CPUOffload, DiskOffload, MixedPrecision, ShardingStrategy
 from ..policies import select_units
@@ -42,6 +44,7 @@ def build_units(
     full_precision: list[nn.Module],
     shard_allocator=None,
     persistent: tuple[UnitComms | None, int] = (None, 0),
+    make_layout: LayoutBuilder = FlatLayout.build,
 ) -> list[Unit]:
     """One unit per module, root first; materialise each right before it is sharded.
 
@@ -71,6 +74,7 @@ def build_units(
                 strategy=strategy,
                 mixed_precision=None if module in full_precision else mixed_precision,
                 shard_allocator=shard_allocator,
+                make_layout=make_layout,
             )
         )
         del records
@@ -174,6 +178,7 @@ def shard_root(
         full_precision=full_precision,
         shard_allocator=shard_allocator,
         persistent=(comms.persistent, options.param_persistence_threshold),
+        make_layout=options.layout.builder(comms.shard.size),
     )
     if deferred or sync_module_states:
         materializer.finish(module, options.ignored)

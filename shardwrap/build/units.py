@@ -13,6 +13,7 @@ from ..core.unit import Unit
 from ..flat_param import FlatParamHandle
 from ..layout.flat import FlatLayout
 from ..layout.partition import ParamRecord
+from ..layout.shard_layout import LayoutBuilder
 from ..options import MixedPrecision, ShardingStrategy
 
 
@@ -26,15 +27,20 @@ def build_unit(
     strategy: ShardingStrategy,
     mixed_precision: MixedPrecision | None = None,
     shard_allocator: ShardAllocator | None = None,
+    make_layout: LayoutBuilder = FlatLayout.build,
 ) -> Unit:
-    """Flatten ``records`` into one handle (none if empty) and make the unit."""
+    """Flatten ``records`` into one handle (none if empty) and make the unit.
+
+    ``make_layout``: ``FlatLayout.build`` (the FSDP1 and DeepSpeed doors) or
+    ``ChunkLayout.build`` (the FSDP2 door's dim-0 chunks, ``layout/chunks.py``).
+    """
     handle = None
     if records:
         # DTensor parameters are flattened as their local blocks: [Note: ZeRO over
         # tensor-parallel parameters] in core/tensor_parallel.py.
         specs = [tp_spec_of(r.fqn, r.param) for r in records]
         params = [local_tensor(r.param) for r in records]
-        layout = FlatLayout.build(
+        layout = make_layout(
             [
                 (r.fqn, tuple(p.shape), r.param.requires_grad)
                 for r, p in zip(records, params, strict=True)

@@ -18,6 +18,7 @@ from torch import nn
 from ..base.records import as_record
 from ..base.validate import check_bool
 from ..layout.persistence import check_threshold
+from ..layout.shard_layout import ShardLayout
 from ..options import (
     BackwardPrefetch,
     CommQuantization,
@@ -56,6 +57,12 @@ class WrapOptions:
     # ``comm.groups.resolve_groups`` checks them against the strategy when the root is built.
     process_group: Any = None
     device_mesh: Any = None
+    # How each unit's shards hold its parameters: FLAT slices (FSDP1, DeepSpeed) or FSDP2's
+    # dim-0 chunks (the fully_shard door), see layout/shard_layout.py.
+    layout: ShardLayout = ShardLayout.FLAT
+    # Unit modules answer as FSDP1 instances ([Note: units as FSDP instances]); the FSDP2
+    # door's are FSDPModules instead, and torch's FSDP1 code must not take them for its own.
+    fsdp1_units: bool = True
 
     def __post_init__(self) -> None:
         offload = self.cpu_offload
@@ -72,7 +79,10 @@ class WrapOptions:
             "auto_wrap_policy": as_policy(self.auto_wrap_policy),
             "ignored": _check_ignored(self.ignored),
             "sync_module_states": check_bool("sync_module_states", self.sync_module_states),
+            "fsdp1_units": check_bool("fsdp1_units", self.fsdp1_units),
         }
+        if not isinstance(self.layout, ShardLayout):
+            raise TypeError(f"layout: expected a ShardLayout, got {self.layout!r}")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(f"param_init_fn: expected a callable, got {self.param_init_fn!r}")
         for name, value in parsed.items():
@@ -89,7 +99,8 @@ class WrapOptions:
         return (
             f"{self.backward_prefetch}, forward_prefetch={self.forward_prefetch}, {offload}, "
             f"sync_module_states={self.sync_module_states}, "
-            f"persistence threshold {self.param_persistence_threshold}"
+            f"persistence threshold {self.param_persistence_threshold}, "
+            f"layout {self.layout.value}"
         )
 
 

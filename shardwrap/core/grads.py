@@ -20,6 +20,7 @@ bit for bit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,9 @@ class UnitGrads:
         # qgZ: quantize the reduce-scatter ([Note: ZeRO++ in a unit] in core/comm_quant.py)
         self.grad_codec: BlockCodec | None = None
         self.grad_store: GradStore | None = None  # [Note: gradients in a grad store]
+        # (parameter index, its reduced 1D piece) -> what its shard view's ``.grad`` is; the
+        # FSDP2 door's shard views are DTensors, so their gradients are too. None: the piece.
+        self.shard_grad_view: Callable[[int, torch.Tensor], torch.Tensor] | None = None
 
     def keep_reduced_in(self, store: GradStore) -> None:
         """Keep reduced gradients in ``store`` from now on ([Note: gradients in a grad store])."""
@@ -238,6 +242,8 @@ class UnitGrads:
         self.local_grad_present = [False] * len(self.full_params)
         if pending is not None:
             piece_of = self._piece_finder(pending)
+            if self.shard_grad_view is not None:
+                piece_of = functools.partial(_viewed, self.shard_grad_view, piece_of)
             assign_reduced(
                 self.shard_params,
                 piece_of,
@@ -286,3 +292,11 @@ class UnitGrads:
             for info, p in zip(self.layout.params, self.full_params, strict=True)
             if p.grad is not None
         ]
+
+
+def _viewed(
+    view: Callable[[int, torch.Tensor], torch.Tensor],
+    piece_of: Callable[[int], torch.Tensor],
+    index: int,
+) -> torch.Tensor:
+    return view(index, piece_of(index))

@@ -136,6 +136,17 @@ class FlatLayout:
         start, end = self.shard_range(shard_index)
         return tuple(piece_of(info, start, end) for info in self.params)
 
+    @property
+    def shards_are_contiguous(self) -> bool:
+        """Shard ``r`` is the full buffer's ``r``-th slice (the dim-0 chunk layout's are not:
+        ``layout/chunks.py``)."""
+        return True
+
+    def rank_pieces(self, index: int) -> tuple[tuple[int, ShardPiece], ...]:
+        """``(shard index, piece)`` of every shard that holds some of parameter ``index``."""
+        info = self.params[index]
+        return tuple((rank, piece_of(info, *self.shard_range(rank))) for rank in self.owners(index))
+
     def owners(self, param_index: int) -> tuple[int, ...]:
         """Shard indices that hold at least one element of parameter ``param_index``."""
         info = self.params[param_index]

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .flat import FlatLayout, ShardPiece, piece_of
+from .chunks import ChunkLayout
+from .flat import FlatLayout, ShardPiece
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +71,13 @@ class GradSlots:
         return self.num_chunks * self.chunk_numel
 
     @staticmethod
-    def for_layout(layout: FlatLayout) -> GradSlots:
+    def for_layout(layout: FlatLayout | ChunkLayout) -> GradSlots:
         """The buffer of [Note: packed gradients] for ``layout``.
 
         Work grows with the number of parameter pieces, not with parameters times ranks.
         """
-        if all(info.requires_grad for info in layout.params):  # the parameter layout
+        trainable = all(info.requires_grad for info in layout.params)
+        if trainable and layout.shards_are_contiguous:  # the parameter layout
             segments = tuple(
                 (Segment(0, info.numel, info.offset),) if info.numel else ()
                 for info in layout.params
@@ -91,8 +93,7 @@ class GradSlots:
         pieces_by_rank: dict[int, list[tuple[int, ShardPiece]]] = {}
         for index, info in enumerate(layout.params):
             if info.requires_grad:
-                for rank in layout.owners(index):
-                    piece = piece_of(info, *layout.shard_range(rank))
+                for rank, piece in layout.rank_pieces(index):
                     pieces_by_rank.setdefault(rank, []).append((index, piece))
         used = {r: sum(p.numel for _, p in pieces) for r, pieces in pieces_by_rank.items()}
         chunk_numel = max(used.values(), default=0)
@@ -125,7 +126,7 @@ class GradSlots:
 
 
 def _end_to_end(
-    layout: FlatLayout, segments: tuple[tuple[Segment, ...], ...]
+    layout: FlatLayout | ChunkLayout, segments: tuple[tuple[Segment, ...], ...]
 ) -> tuple[int, ...] | None:
     """``GradSlots.end_to_end`` of ``segments``."""
     trainable = tuple(i for i, info in enumerate(layout.params) if info.requires_grad)

@@ -14,6 +14,8 @@ What a unit gives up, and when, is one function (:func:`release_rule`), by momen
   frees the buffer unless more microbatches follow;
 * post-backward: it shows its shard, and frees the buffer if its strategy frees and
   ``reshard_after_backward`` is on;
+* a user's call (``FSDPModule.reshard``, outside the step): it shows its shard, and frees
+  the buffer if its strategy frees;
 * end of backward: a gather issued but never used is waited for, then the unit shows its
   shard (and frees it when freeing and the step ends); a freeing unit that a bucket
   gathered but the step did not use frees it, unless ``reshard_after_backward`` is off.
@@ -35,6 +37,7 @@ class Moment(enum.Enum):
     ABANDONED = "abandoned"  # a new forward began before this unit's backward ran
     POST_BACKWARD = "post-backward"
     END_OF_BACKWARD = "end of backward"
+    USER_CALL = "a user's reshard"  # FSDPModule.reshard, outside the step
 
 
 class Release(enum.Enum):
@@ -79,6 +82,8 @@ def release_rule(
         if not frees:
             return Release.KEEP
         return Release.FREE if last_backward else Release.SHOW_SHARD
+    if moment is Moment.USER_CALL:
+        return free_or_show
     if moment is Moment.POST_BACKWARD:
         return Release.FREE if frees and reshard_after_backward else Release.SHOW_SHARD
     if landed:

@@ -97,13 +97,9 @@ class StepRuntime:
         self.deferred_grads_pending = False
         self._checked_entries: list[tuple[str, str]] = []  # what the last vote checked
         # id(shard view) -> its handle, for the optimizer step hooks; the views live as long
-        # as their handle, so ids stay valid.
-        self._handle_of_shard = {
-            id(param): u.handle
-            for u in units
-            if u.handle is not None
-            for param in u.handle.shard_params
-        }
+        # as their handle, so ids stay valid (index_shard_views again if a door swaps them).
+        self._handle_of_shard: dict[int, FlatParamHandle] = {}
+        self.index_shard_views()
         # [Note: one optimizer-step dispatcher] in core/optimizer_step.py
         actions = {Phase.NOTE_STALE: _note_stale}
         if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
@@ -223,6 +219,18 @@ class StepRuntime:
         self._prefetch_all(
             self.schedule.prefetches_in_backward(unit, self.execution_order, done=True)
         )
+
+    # ------------------------------------------------------------ a user's calls
+    def unshard_unit(self, unit: Unit, *, wait: bool = True) -> None:
+        """``FSDPModule.unshard``: gather ``unit`` (``wait=False``: only issue the gather)."""
+        if unit.handle is not None and wait:
+            unit.handle.unshard()
+        elif unit.handle is not None:
+            unit.handle.start_unshard()
+
+    def reshard_unit(self, unit: Unit) -> None:
+        """``FSDPModule.reshard``: release ``unit`` as the free rule says for a user's call."""
+        self._release_at(Moment.USER_CALL, unit)
 
     # ------------------------------------------------------------ gathers ahead
     def _prefetch_all(self, plan: list[Prefetch]) -> None:
@@ -344,6 +352,12 @@ class StepRuntime:
         # Backward order, as ZeRO-2/3 reduce, so buckets fill the same way.
         self.schedule.reduce_all([u.handle for u in reversed(units)])  # type: ignore[misc]
         self.vote_and_assign(units)
+
+    def index_shard_views(self) -> None:
+        """Know each unit's shard views; again after a door replaced them (the FSDP2 door's
+        DTensors), or the optimizer step would miss their handles."""
+        units = [u for u in self.units if u.handle is not None]
+        self._handle_of_shard = {id(p): u.handle for u in units for p in u.handle.shard_params}
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(

@@ -31,8 +31,6 @@ _LOCAL = "LOCAL_STATE_DICT is refused with an error naming SHARDED_STATE_DICT"
 
 # The one table of torch's FSDP1-surface names shardwrap does not provide, with the reason.
 NOT_PROVIDED = {
-    "fully_shard": _FSDP2,
-    "FSDPModule": _FSDP2,
     "MixedPrecisionPolicy": _FSDP2,
     "OffloadPolicy": _FSDP2,
     "CPUOffloadPolicy": _FSDP2,

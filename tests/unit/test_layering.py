@@ -33,6 +33,7 @@ LAYERS = {
     "ckpt": 7,
     "features": 7,
     "wrap": 8,
+    "fsdp2": 8,
     "profile": 9,
     "deepspeed": 9,
     "install": 9,

@@ -1,0 +1,14 @@
+"""The FSDP2 door: ``fully_shard`` and ``FSDPModule``, torch's names on shardwrap's engine.
+
+``fully_shard.py`` (the entry point, bottom-up calls and the root), ``module.py``
+(``FSDPModule``'s methods), ``dtensor_views.py`` (parameters and gradients as DTensors
+over the flat shard), ``options.py`` (the arguments, and what is refused), ``state.py``
+(each call's record). The layout: ``layout/chunks.py``.
+"""
+
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from .fully_shard import fully_shard
+from .module import FSDPModule, UnshardHandle
+
+__all__ = ["FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]

@@ -1,0 +1,155 @@
+"""``fully_shard``: FSDP2's entry point, on shardwrap's engine.
+
+[Note: bottom-up calls and the root]
+FSDP2 code calls ``fully_shard`` bottom-up: each block, then the model. Each call makes
+one unit of the module's parameters that no earlier call on a submodule took, so a
+call never knows whether an ancestor's call will follow. Each call is therefore one root,
+built as every door's is (``build.compose.build_root``, with ``ShardLayout.DIM0_CHUNKS``),
+whose holder is the module itself; a later call on an ancestor adopts the nested roots'
+units there (their runtimes' hooks removed, their names made relative to the new root,
+the nested modules no roots any more) and starts the one runtime for all of them.
+``reshard_after_forward=None`` (FSDP2's default) means False for the root and True for
+every other unit, so each unit's setting is decided again whenever the root changes.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from ..build.compose import build_root
+from ..build.root import ShardRoot, is_root
+from ..build.wrap_options import WrapOptions
+from ..comm.mesh import data_parallel_mesh
+from ..layout.shard_layout import ShardLayout
+from ..options import ShardingStrategy
+from .dtensor_views import install_dtensor_views
+from .fully_shard_args import NOT_YET, parse_options
+from .group_hooks import register_group_hooks
+from .module import as_fsdp_module
+from .state import DoorUnit, set_state, state_of
+
+# torch's defaults, shared as torch shares them (frozen records).
+DEFAULT_MP_POLICY = MixedPrecisionPolicy()
+DEFAULT_OFFLOAD_POLICY = OffloadPolicy()
+STRATEGY = ShardingStrategy.FULL_SHARD  # resharding after forward is per unit (override)
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh=None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn=None,
+    mp_policy: MixedPrecisionPolicy = DEFAULT_MP_POLICY,
+    offload_policy: OffloadPolicy = DEFAULT_OFFLOAD_POLICY,
+    ignored_params=None,
+    dp_mesh_dims=None,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module``'s parameters not yet sharded by a call on a submodule into one
+    unit, as ``torch.distributed.fsdp.fully_shard`` does; returns ``module``, its class
+    now ``FSDP<Name>`` (an :class:`FSDPModule`). A list of modules makes one unit of all
+    their parameters ([Note: a list as one unit]). Call it bottom-up, the root last
+    ([Note: bottom-up calls and the root]). Parameters become ``DTensor`` s sharded
+    ``Shard(0)`` on ``mesh`` ([Note: DTensor shard views]). What this release does not
+    support is refused by name (``docs/migrating-from-fsdp2.md``).
+    """
+    options = parse_options(
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
+    )
+    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    for member in members:
+        _check_module(member)
+    # The unit's module: the one given, or a container of the list (outside the tree).
+    target = members[0] if len(members) == 1 else nn.ModuleList(members)
+    device = next((p.device for p in target.parameters()), None)
+    mesh = data_parallel_mesh(mesh, device.type if device is not None else "cpu")
+    # Alive until build_root adopts their units (the registry holds roots weakly).
+    nested_roots = _release_nested(target)
+    # The holder is the module users hold; a list's is its first member (in the tree,
+    # where an ancestor's call finds it).
+    root = build_root(target, _wrap_options(mesh), holder=members[0])
+    del nested_roots
+    unit = root.units[0]
+    if unit.handle is not None:
+        install_dtensor_views(unit.handle, mesh)
+        root.runtime.index_shard_views()  # the views the optimizer will hold
+    state = DoorUnit(unit, mesh, options.reshard_after_forward, tuple(members))
+    for owner in {id(m): m for m in [target, *members]}.values():
+        set_state(owner, state)
+    if len(members) > 1:
+        register_group_hooks(unit, members)
+    _start_root(root, members[0])
+    for member in members:
+        as_fsdp_module(member)
+    return module
+
+
+def _wrap_options(mesh) -> WrapOptions:
+    """The door's ``WrapOptions``: ZeRO-3 on ``mesh``'s group, FSDP2's dim-0 chunks."""
+    return WrapOptions(
+        sharding_strategy=STRATEGY,
+        device_mesh=mesh,
+        layout=ShardLayout.DIM0_CHUNKS,
+        fsdp1_units=False,
+    )
+
+
+def _check_module(module: object) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
+    if state_of(module) is not None:
+        raise ValueError("module: fully_shard was already called on this module")
+    for name, param in module.named_parameters():
+        if param.is_meta:
+            raise ValueError(
+                f"module: parameter {name!r} is on the meta device; meta-device "
+                f"initialisation {NOT_YET}; materialise the module before fully_shard"
+            )
+        if param.dim() == 0:
+            raise ValueError(f"module: parameter {name!r} is a scalar; Shard(0) needs a dim")
+    if any(is_root(m) and state_of(m) is None for m in module.modules()):
+        raise ValueError(
+            "module: it holds a ShardedModule (the FSDP1 door); use one door for a model"
+        )
+
+
+def _release_nested(module: nn.Module) -> list[ShardRoot]:
+    """The ``fully_shard`` roots below ``module``, their records cleared and their forward
+    hooks removed (``build_root`` adopts their units; the new root's hook replaces theirs)."""
+    nested: dict[int, DoorUnit] = {}
+    for sub in module.modules():
+        state = state_of(sub)
+        if sub is not module and state is not None and state.root is not None:
+            nested[id(state)] = state
+    roots = [state.root for state in nested.values() if state.root is not None]
+    for state in nested.values():
+        state.root_hook.remove()
+        state.root, state.root_hook = None, None
+    return roots
+
+
+def _start_root(root: ShardRoot, first: nn.Module) -> None:
+    """Keep ``root`` on its module's record, decide each unit's resharding, and hook the
+    forward of ``first`` (the module, or a list's first module) to begin the root's step."""
+    for unit in root.units:
+        state = state_of(unit.module)
+        assert state is not None
+        unit.set_reshard_after_forward(resharded_after_forward(state, unit is root.units[0]))
+    root_state = state_of(first)
+    assert root_state is not None
+    root_state.root = root  # the record keeps the root alive (the registry holds it weakly)
+    begin = root.begin_forward
+    root_state.root_hook = first.register_forward_pre_hook(lambda *_: begin(), prepend=True)
+
+
+def resharded_after_forward(state: DoorUnit, is_root: bool) -> bool:
+    """A unit's ``reshard_after_forward``: as given, else FSDP2's default (root: False)."""
+    if state.reshard_after_forward is not None:
+        return state.reshard_after_forward
+    return not is_root

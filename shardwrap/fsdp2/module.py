@@ -1,0 +1,147 @@
+"""``FSDPModule``: the methods FSDP2 adds to every module ``fully_shard`` was called on.
+
+As FSDP2 does, ``fully_shard`` swaps the module's class for a ``FSDP<Name>`` subclass of
+both :class:`FSDPModule` and the original class, so ``isinstance(m, FSDPModule)`` holds
+and the module keeps its own methods. Each method does what FSDP2's does, on shardwrap's
+runtime; the microbatch flags are the runtime's ([Note: microbatched steps] in
+``runtime/step.py``), so they are set for the whole root at once, and a call that asks
+for less than that is refused. A name this release cannot honour raises
+``NotImplementedError`` saying why and what to use instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..base.validate import check_bool
+from ..core.unit import Unit
+from .state import runtime_for, state_of
+
+_CLASSES: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` completes the all-gather."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def wait(self) -> None:
+        """Wait for the all-gather and show the full parameters on the module."""
+        runtime_for(self._module).unshard_unit(_unit(self._module))
+
+
+def _unit(module: nn.Module) -> Unit:
+    state = state_of(module)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__}: fully_shard was not called on it")
+    return state.unit
+
+
+def _refused(name: str, why: str):
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"FSDPModule.{name} is not yet supported by shardwrap: {why}")
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Not yet supported by shardwrap: {why}."
+    return method
+
+
+class FSDPModule:
+    """A module ``shardwrap.fully_shard`` sharded (torch's ``FSDPModule`` methods)."""
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's unit and show the full parameters; with ``async_op``,
+        only issue the all-gather and return a handle whose ``wait()`` completes it."""
+        module: Any = self
+        wait = not check_bool("async_op", async_op)
+        runtime_for(module).unshard_unit(_unit(module), wait=wait)
+        return None if wait else UnshardHandle(module)
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters and show the shards (DTensors) again."""
+        module: Any = self
+        runtime_for(module).reshard_unit(_unit(module))
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether backward reduce-scatters gradients (False: accumulate them locally)."""
+        value = check_bool("requires_gradient_sync", requires_gradient_sync)
+        _whole_root(self, "set_requires_gradient_sync", recurse).sync_grads = value
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        """Whether units free their gathered parameters after backward (default True)."""
+        value = check_bool("reshard_after_backward", reshard_after_backward)
+        _whole_root(self, "set_reshard_after_backward", recurse).reshard_after_backward = value
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward ends the optimizer step (default True)."""
+        runtime_for(self).is_last_backward = check_bool(  # type: ignore[arg-type]
+            "is_last_backward", is_last_backward
+        )
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
+        """Whether this module's unit (and, with ``recurse``, every unit below) frees its
+        gathered parameters after forward."""
+        value = check_bool("reshard_after_forward", reshard_after_forward)
+        modules = self.modules() if check_bool("recurse", recurse) else [self]  # type: ignore[attr-defined]
+        for module in modules:
+            state = state_of(module)
+            if state is not None:
+                state.reshard_after_forward = value
+                state.unit.set_reshard_after_forward(value)
+
+    _order = "shardwrap prefetches the next unit in forward and backward order by itself"
+    set_modules_to_forward_prefetch = _refused("set_modules_to_forward_prefetch", _order)
+    set_modules_to_backward_prefetch = _refused("set_modules_to_backward_prefetch", _order)
+    _divide = "gradients are averaged over the mesh (FSDP2's default)"
+    set_gradient_divide_factor = _refused("set_gradient_divide_factor", _divide)
+    set_reduce_scatter_divide_factor = _refused("set_reduce_scatter_divide_factor", _divide)
+    set_force_sum_reduction_for_comms = _refused("set_force_sum_reduction_for_comms", _divide)
+    _hsdp = "only a 1-D mesh (no replica all-reduce) is supported"
+    set_requires_all_reduce = _refused("set_requires_all_reduce", _hsdp)
+    set_all_reduce_hook = _refused("set_all_reduce_hook", _hsdp)
+    _comms = "shardwrap's communicators own the collectives and their buffers"
+    set_custom_all_gather = _refused("set_custom_all_gather", _comms)
+    set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", _comms)
+    set_allocate_memory_from_process_group_for_comm = _refused(
+        "set_allocate_memory_from_process_group_for_comm", _comms
+    )
+    set_symm_mem_for_comm = _refused("set_symm_mem_for_comm", _comms)
+    set_separate_reduce_scatter_group = _refused("set_separate_reduce_scatter_group", _comms)
+    set_reduce_scatter_max_input_buffers = _refused("set_reduce_scatter_max_input_buffers", _comms)
+    set_reduce_scatter_unused_params = _refused(
+        "set_reduce_scatter_unused_params",
+        "a parameter without a gradient on every rank gets none (shardwrap's presence vote)",
+    )
+    set_post_optim_event = _refused("set_post_optim_event", "CPU streams only in this release")
+    set_unshard_in_backward = _refused(
+        "set_unshard_in_backward", "every unit is gathered for its backward"
+    )
+    reset_iter_state = _refused("reset_iter_state", "the runtime resets at each forward")
+
+
+def _whole_root(module: Any, method: str, recurse: object):
+    """The runtime whose flag ``method`` sets: only when the call covers all its units."""
+    runtime = runtime_for(module)
+    covered = {id(m) for m in module.modules()} if check_bool("recurse", recurse) else {id(module)}
+    members = [m for unit in runtime.units if (s := state_of(unit.module)) for m in s.members]
+    if any(id(member) not in covered for member in members):
+        raise NotImplementedError(
+            f"FSDPModule.{method} is not yet supported by shardwrap for part of a model: "
+            "the flag is the root's; call it on the root module with recurse=True"
+        )
+    return runtime
+
+
+def as_fsdp_module(module: nn.Module) -> None:
+    """Swap ``module``'s class for ``FSDP<Name>`` (an :class:`FSDPModule` subclass)."""
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _CLASSES[cls]

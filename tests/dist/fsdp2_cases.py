@@ -1,0 +1,225 @@
+"""Rank workers for tests/dist/test_fsdp2_door.py: one FSDP2 script, two ``fully_shard`` s.
+
+The script is what FSDP2 client code does: ``fully_shard`` on each block, then on the
+root with FSDP2's default ``reshard_after_forward`` (False for the root); AdamW on the
+DTensor parameters; torch's ``clip_grad_norm_`` over the DTensor gradients; the
+parameters' ``full_tensor()`` and local shapes, and ``model.state_dict()``, read after
+every step. It runs once with torch's ``torch.distributed.fsdp.fully_shard`` and once
+with ``shardwrap.fully_shard``; the test compares the two records.
+
+The model's row counts are uneven on purpose: at 2 ranks a 1-row bias leaves rank 1's
+chunk empty, at 3 ranks a 4-row head leaves rank 2's empty, and most other parameters'
+last chunk is short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import fsdp as torch_fsdp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import shardwrap
+from shardwrap.fsdp2.state import state_of
+
+NUM_STEPS = 4
+LR = 0.02
+CLIP_NORM = 0.5  # under the gradients' norm here, so clipping changes every step
+VOCAB, DIM, HIDDEN, OUT, SEQ = 37, 10, 7, 4, 6
+
+
+class Block(nn.Module):
+    """Attention-like mixing and an MLP, with uneven row counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
+        attn = torch.softmax(q @ k.transpose(-1, -2) / DIM**0.5, dim=-1)
+        x = x + self.proj(attn @ v)
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class TinyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, OUT)  # 4 rows: empty on rank 2 of 3
+        self.gate = nn.Linear(DIM, 1)  # bias of 1 row: empty on rank 1 of 2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.embed(idx))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * torch.sigmoid(self.gate(x))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (3, SEQ), generator=g), torch.randint(
+        0, OUT, (3, SEQ), generator=g
+    )
+
+
+@dataclass
+class Record:
+    """What one run shows, step by step, in plain tensors (for pickling to the test)."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[torch.Tensor] = field(default_factory=list)
+    full: list[dict[str, torch.Tensor]] = field(default_factory=list)  # full_tensor()
+    local_shapes: list[dict[str, tuple[int, ...]]] = field(default_factory=list)
+    placements: list[dict[str, str]] = field(default_factory=list)
+    state_dict: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grad_is_dtensor: bool = True
+    optimizer_state_is_dtensor: bool = True  # AdamW's exp_avg / exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Script:
+    """How the client script trains: AdamW's settings, and microbatches per step (all but
+    the last without gradient sync, through ``set_requires_gradient_sync``)."""
+
+    adamw: tuple[tuple[str, float], ...] = (("lr", LR), ("weight_decay", 0.1))
+    microbatches: int = 1
+    mlp_as_list: bool = False  # fully_shard([block.up, block.down]) first: a list as one unit
+
+
+def run_script(
+    shard: Callable[..., nn.Module], rank: int, world_size: int, script: Script = Script()
+) -> Record:
+    """The FSDP2 client script, with ``shard`` as its ``fully_shard``."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    for block in model.blocks:
+        if script.mlp_as_list:
+            shard([block.up, block.down], mesh=mesh)
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), **dict(script.adamw))
+    record = Record()
+    for step in range(NUM_STEPS):
+        for micro in range(script.microbatches):
+            model.set_requires_gradient_sync(micro == script.microbatches - 1)
+            idx, target = batch(10 * step + micro, rank)
+            loss = F.cross_entropy(model(idx).reshape(-1, OUT), target.reshape(-1))
+            loss.backward()
+        record.grad_is_dtensor &= all(isinstance(p.grad, DTensor) for p in model.parameters())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        record.grad_norms.append(_plain(norm))
+        optim.step()
+        record.optimizer_state_is_dtensor &= all(
+            isinstance(state[key], DTensor)
+            for state in optim.state.values()
+            for key in ("exp_avg", "exp_avg_sq")
+        )
+        optim.zero_grad()
+        record.losses.append(float(loss.detach()))
+        _read(model, record)
+    return record
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value.detach().clone()
+
+
+def _read(model: nn.Module, record: Record) -> None:
+    params = dict(model.named_parameters())
+    record.full.append({n: p.full_tensor().detach().clone() for n, p in params.items()})
+    record.local_shapes.append({n: tuple(p.to_local().shape) for n, p in params.items()})
+    record.placements.append(
+        {n: f"{p.placements} {p.device_mesh.mesh_dim_names}" for n, p in params.items()}
+    )
+    record.state_dict.append({k: _plain(v) for k, v in model.state_dict().items()})
+
+
+def torch_run(rank: int, world_size: int, script: Script = Script()) -> Record:
+    return run_script(torch_fsdp.fully_shard, rank, world_size, script)
+
+
+def undivided_fully_shard(module: nn.Module, **kwargs) -> nn.Module:
+    """The negative control: shardwrap's ``fully_shard`` whose gradients are not divided
+    by the world size (each reduced piece multiplied back)."""
+    shardwrap.fully_shard(module, **kwargs)
+    grads = state_of(module).unit.handle.grads
+    view, world = grads.shard_grad_view, dist.get_world_size()
+    grads.shard_grad_view = lambda index, piece: view(index, piece * world)
+    return module
+
+
+def both(
+    rank: int, world_size: int, script: Script = Script(), control: bool = False
+) -> tuple[Record, Record]:
+    """torch's run, then shardwrap's (or the negative control's), on the same ranks."""
+    reference = torch_run(rank, world_size, script)
+    dist.barrier()
+    shard = undivided_fully_shard if control else shardwrap.fully_shard
+    return reference, run_script(shard, rank, world_size, script)
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """``assert_close`` keywords for what a reordered reduction may change (None: exact)."""
+
+    values: dict[str, float]  # losses and gradient norms
+    params: Callable[[int], dict[str, float]]  # parameters after step + 1 steps
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, tol: dict[str, float] | None) -> bool:
+    if tol is None:
+        return torch.equal(a, b)
+    return a.shape == b.shape and torch.allclose(a, b, rtol=tol["rtol"], atol=tol["atol"])
+
+
+def differences(reference: Record, ours: Record, tol: Tolerances | None = None) -> list[str]:
+    """Everything the two runs show differently, one line each: bit for bit, or within
+    ``tol`` for the values a reduction's order changes (shapes, placements, keys: exact)."""
+    found = []
+    value_tol = None if tol is None else tol.values
+    for step in range(NUM_STEPS):
+        param_tol = None if tol is None else tol.params(step + 1)
+        a, b = torch.tensor(reference.losses[step]), torch.tensor(ours.losses[step])
+        if not _same(a, b, value_tol):
+            found.append(f"step {step}: loss {a.item()!r} != {b.item()!r}")
+        a, b = reference.grad_norms[step], ours.grad_norms[step]
+        if not _same(a, b, value_tol):
+            found.append(f"step {step}: grad norm {a.item()!r} != {b.item()!r}")
+        for view in ("full", "local_shapes", "placements", "state_dict"):
+            a, b = getattr(reference, view)[step], getattr(ours, view)[step]
+            if a.keys() != b.keys():
+                found.append(f"step {step}: {view} keys {sorted(a)} != {sorted(b)}")
+                continue
+            for name in a:
+                tensors = view in ("full", "state_dict")
+                if not (_same(a[name], b[name], param_tol) if tensors else a[name] == b[name]):
+                    found.append(f"step {step}: {view}[{name!r}] differs")
+    if not (reference.optimizer_state_is_dtensor and ours.optimizer_state_is_dtensor):
+        found.append("optimizer state: not DTensors")
+    if not (reference.grad_is_dtensor and ours.grad_is_dtensor):
+        found.append(
+            f"DTensor gradients: torch {reference.grad_is_dtensor}, ours {ours.grad_is_dtensor}"
+        )
+    return found
+
+
+def compare(
+    rank: int, world_size: int, script: Script, tol: Tolerances | None, control: bool
+) -> list[str]:
+    """Run both and return their differences (compared on the rank: records stay here)."""
+    reference, ours = both(rank, world_size, script, control)
+    return differences(reference, ours, tol)

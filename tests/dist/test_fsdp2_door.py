@@ -1,0 +1,81 @@
+"""The FSDP2 door: one FSDP2 client script, run with torch's ``fully_shard`` and shardwrap's.
+
+At 2 ranks every gradient sum has two terms, which floating point adds alike in any
+order, so the two runs must agree bit for bit: losses, gradient norms (torch's
+``clip_grad_norm_`` over the DTensor gradients), every parameter's ``full_tensor()``, local
+shapes and placements, and ``model.state_dict()``, after every AdamW step; with gradient
+accumulation through ``set_requires_gradient_sync``, and with each block's MLP a list
+unit (``fully_shard([up, down])``) too. At 3 ranks gloo's ring
+reduce-scatter adds the three terms in an order that depends on the element's position
+(checked: some elements match no fixed order of the three), shardwrap in rank order, so
+values agree within the bounds of tests/tolerances.py (AdamW with eps = 1e-3 there), and
+shapes, placements and keys exactly. The model's uneven rows leave some rank's chunk
+short or empty (tests/dist/fsdp2_cases.py).
+
+Negative control (in the suite): gradients not divided by the world size
+(``fc.undivided_fully_shard``) must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import fsdp2_api_cases as api
+from tests.dist import fsdp2_cases as fc
+from tests.dist.harness import run_ranks
+from tests.tolerances import REORDER_SAFE_ADAMW, REORDERED_VALUE_TOL, reordered_param_tol
+
+EXACT = fc.Script()
+ACCUMULATING = fc.Script(microbatches=2)
+LISTS = fc.Script(mlp_as_list=True)
+REORDER_SAFE = fc.Script(adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)))
+REORDERED = fc.Tolerances(values=REORDERED_VALUE_TOL, params=reordered_param_tol)
+
+
+@pytest.mark.parametrize(
+    "script", [EXACT, ACCUMULATING, LISTS], ids=["adamw", "accumulate", "list_unit"]
+)
+def test_two_ranks_equal_torch_fsdp2_bit_for_bit(script):
+    for rank, found in enumerate(run_ranks(fc.compare, 2, script, None, False)):
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
+def test_three_ranks_equal_torch_fsdp2_within_reordering_bounds():
+    for rank, found in enumerate(run_ranks(fc.compare, 3, REORDER_SAFE, REORDERED, False)):
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_negative_control_undivided_gradients_differ(world_size):
+    tol = None if world_size == 2 else REORDERED
+    script = EXACT if world_size == 2 else REORDER_SAFE
+    for found in run_ranks(fc.compare, world_size, script, tol, True):
+        assert any("grad norm" in line for line in found), found[:8]
+
+
+def test_fsdp_module_surface_and_install():
+    for found in run_ranks(api.surface, 2):
+        assert found["rebound"] and found["restored"] and found["dsd"]
+        assert found["isinstance"] == (True, True, True, "FSDPTinyModel")
+        assert not found["torch_isinstance_after"]  # torch's own class again
+        assert found["sharded"] and found["unsharded"] and found["resharded"]
+        assert "call it on the root module" in found["partial_sync"]
+
+
+@pytest.mark.parametrize(
+    ("block_setting", "block_kept"), [(None, False), (True, False), (False, True)]
+)
+def test_reshard_after_forward_frees_what_it_says(block_setting, block_kept):
+    """Negative control: the blocks' False row is the True row with the setting flipped;
+    a setting not acted on fails one of them."""
+    for found in run_ranks(api.resharding, 2, block_setting):
+        assert found["after_forward"] == {"root": True, "block0": block_kept, "block1": block_kept}
+        assert not any(found["after_backward"].values())
+
+
+def test_the_optimizer_step_notes_every_unit_of_the_door():
+    """The root's own unit counts too: its shard views became DTensors after its runtime
+    started, so the runtime indexes them again (``StepRuntime.index_shard_views``).
+    Negative control (run once): without that call the root's count stayed 0."""
+    for counts in run_ranks(api.stepped_units, 2):
+        assert counts == {"root": 1, "block0": 1, "block1": 1}, counts

@@ -1,0 +1,86 @@
+"""The FSDP2 door refuses what it does not support, by name, before touching any state.
+
+Each case is an argument or method torch's FSDP2 accepts; shardwrap must raise an error
+that names it (never drop it silently). Negative control: the default arguments pass
+the same checks (``test_defaults_pass``), so the refusals are not a blanket failure.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+import shardwrap
+from shardwrap.fsdp2.fully_shard_args import parse_options
+from shardwrap.fsdp2.module import FSDPModule, as_fsdp_module
+
+DEFAULTS = dict(
+    reshard_after_forward=None,
+    shard_placement_fn=None,
+    mp_policy=MixedPrecisionPolicy(),
+    offload_policy=OffloadPolicy(),
+    ignored_params=None,
+    dp_mesh_dims=None,
+)
+
+
+def test_defaults_pass():
+    assert parse_options(**DEFAULTS).reshard_after_forward is None
+    assert (
+        parse_options(**{**DEFAULTS, "reshard_after_forward": False}).reshard_after_forward is False
+    )
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "error"),
+    [
+        ("reshard_after_forward", 2, ValueError),
+        ("reshard_after_forward", "yes", TypeError),
+        ("shard_placement_fn", lambda p: None, ValueError),
+        ("mp_policy", MixedPrecisionPolicy(param_dtype=torch.bfloat16), ValueError),
+        ("mp_policy", "bf16", TypeError),
+        ("offload_policy", CPUOffloadPolicy(), ValueError),
+        ("ignored_params", {nn.Parameter(torch.zeros(1))}, ValueError),
+        ("dp_mesh_dims", object(), ValueError),
+    ],
+)
+def test_unsupported_arguments_are_refused_by_name(argument, value, error):
+    with pytest.raises(error, match=argument):
+        parse_options(**{**DEFAULTS, argument: value})
+
+
+def test_a_list_with_a_non_module_is_refused_before_any_collective():
+    with pytest.raises(TypeError, match="module"):
+        shardwrap.fully_shard([nn.Linear(2, 2), "not a module"])
+
+
+REFUSED = [
+    name
+    for name in vars(FSDPModule)
+    if name.startswith(("set_", "reset_"))
+    and name
+    not in (
+        "set_requires_gradient_sync",
+        "set_reshard_after_backward",
+        "set_is_last_backward",
+        "set_reshard_after_forward",
+    )
+]
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_unsupported_methods_say_why(name):
+    module = nn.Linear(2, 2)
+    as_fsdp_module(module)
+    assert type(module).__name__ == "FSDPLinear" and isinstance(module, FSDPModule)
+    with pytest.raises(NotImplementedError, match=f"FSDPModule.{name} is not yet supported"):
+        getattr(module, name)(None)
+
+
+def test_every_torch_fsdp_module_method_is_answered():
+    """Each public method of torch's FSDPModule is provided or refused, none missing."""
+    torch_names = {n for n in vars(torch.distributed.fsdp.FSDPModule) if not n.startswith("_")}
+    ours = set(vars(FSDPModule))
+    assert torch_names - ours == set()
