@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .build.root import is_root
+from .assemble.root import is_root
 from .ckpt import dcp
 from .fsdp2 import FSDPModule, fully_shard
 from .fsdp2.state import state_of

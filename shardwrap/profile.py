@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .build.root import root_of
+from .assemble.root import root_of
 from .comm.collectives import ROOT_LABEL as ROOT_LABEL  # re-exported: how the root unit is named
 from .wrap import ShardedModule
 

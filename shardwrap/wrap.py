@@ -11,16 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from .assemble.compose import build_root
+from .assemble.fsdp_units import FSDP1Attributes, FSDPMeta
+from .assemble.nesting import check_not_wrapped
+from .assemble.root import RootField, ShardRoot, is_root
+from .assemble.sharding import resolve_ignored
+from .assemble.unused_args import note_unused_args
+from .assemble.wrap_options import WrapOptions
 from .base.docstrings import doc_from
 from .base.validate import check_bool
 from .base.warn_once import warn_once
-from .build.compose import build_root
-from .build.fsdp_units import FSDP1Attributes, FSDPMeta
-from .build.nesting import check_not_wrapped
-from .build.root import RootField, ShardRoot, is_root
-from .build.sharding import resolve_ignored
-from .build.unused_args import note_unused_args
-from .build.wrap_options import WrapOptions
 from .ckpt import fsdp1 as _fsdp1
 from .ckpt import fsdp1_rekey
 from .ckpt import state_dict as _state_dict
@@ -68,7 +68,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     gradients all-reduced; see [Note: parameter persistence] in ``layout/persistence.py``.
 
     The constructor parses these arguments into ``WrapOptions`` and builds the model's
-    ``ShardRoot`` (``build/compose.py``); :meth:`from_options` takes options another door
+    ``ShardRoot`` (``assemble/compose.py``); :meth:`from_options` takes options another door
     parsed.
     """
 
@@ -110,7 +110,7 @@ class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
         super().__init__()
         check_not_wrapped(module)
         # Kept for FSDP's attribute names; what shardwrap does instead: [Note: FSDP1
-        # arguments not acted on] in build/unused_args.py.
+        # arguments not acted on] in assemble/unused_args.py.
         self.limit_all_gathers = check_bool("limit_all_gathers", limit_all_gathers)
         self.use_orig_params = check_bool("use_orig_params", use_orig_params)
         note_unused_args(limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params)

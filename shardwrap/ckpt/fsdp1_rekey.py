@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..build.root import is_root
+from ..assemble.root import is_root
 from ..fsdp1_options import OptimStateKeyType
 from .slots import model_slots
 

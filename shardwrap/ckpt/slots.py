@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..build.root import root_of
+from ..assemble.root import root_of
 from ..comm import collectives
 from ..comm.collectives import Communicator
 from ..core.tensor_parallel import TPSpec

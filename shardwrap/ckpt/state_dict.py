@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ..build.root import holders_in
+from ..assemble.root import holders_in
 from ..flat_param import FlatParamHandle
 from ..fsdp1_options import parse_state_dict_type
 from ..options import FullStateDictConfig, ShardedStateDictConfig, StateDictType

@@ -5,7 +5,7 @@ Three owners act around ``optimizer.step()``: a root's step runtime (ZeRO-1's re
 what ``no_sync`` backwards left, the note that stepped shards make gathered copies stale),
 a DiskOffload store (Adam state into mapped files, the step streamed in sub-groups, the
 release of resident pages), and the check that no optimizer steps parameters wrapping
-replaced (build/optimizer_guard.py). Each joins here with the :class:`Phase` actions it
+replaced (assemble/optimizer_guard.py). Each joins here with the :class:`Phase` actions it
 takes, and every optimizer that steps a participant's shards gets one pre-hook and one
 post-hook that run the phases in :data:`BEFORE_STEP` / :data:`AFTER_STEP` order, each
 phase for every participant owning the optimizer, in the order they joined.

@@ -8,7 +8,7 @@ the shard first, so the all-gather moves ``param_dtype`` bytes. Autograd accumul
 gradients in ``param_dtype``; they are cast to ``reduce_dtype`` for the reduce-scatter /
 all-reduce and back to the master dtype for the optimizer.
 
-The cast hooks of full-precision modules are in ``build/casts.py``.
+The cast hooks of full-precision modules are in ``assemble/casts.py``.
 """
 
 from __future__ import annotations

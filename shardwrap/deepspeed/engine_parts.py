@@ -19,9 +19,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..build.root import is_root
-from ..build.sharding import on_accelerator
-from ..build.wrap_options import WrapOptions
+from ..assemble.root import is_root
+from ..assemble.sharding import on_accelerator
+from ..assemble.wrap_options import WrapOptions
 from ..options import CommQuantization, CPUOffload, DiskOffload, MixedPrecision
 from ..planner.estimate import STAGE_STRATEGIES
 from ..wrap import ShardedModule

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import Schedule1F1B
 
-from ..build.root import root_of
+from ..assemble.root import root_of
 from ..comm import collectives, launch
 from ..comm.collectives import Communicator
 from ..features.grad_clip import sharded_grad_norm

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from .. import hooks
-from ..build.root import find_root
+from ..assemble.root import find_root
 from ..runtime import registry
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..assemble.root import ShardRoot
 from ..base.warn_once import warn_once
-from ..build.root import ShardRoot
 from ..comm import collectives
 from .summon import summon_full_params
 

@@ -10,8 +10,8 @@ form of ``set_requires_gradient_sync(False)``. Each function takes the root it s
 
 from __future__ import annotations
 
+from ..assemble.root import ShardRoot
 from ..base.validate import check_bool
-from ..build.root import ShardRoot
 
 
 def _check_recurse(method: str, recurse: object) -> None:

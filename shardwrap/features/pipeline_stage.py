@@ -29,7 +29,7 @@ from typing import Any
 
 from torch.distributed.pipelining import PipelineStage
 
-from ..build.root import is_root
+from ..assemble.root import is_root
 
 
 class ShardedPipelineStage(PipelineStage):

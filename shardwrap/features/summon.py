@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..build.root import own_unit
+from ..assemble.root import own_unit
 from ..comm import collectives
 from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle, ShardedState

@@ -6,10 +6,10 @@ computes; each takes the root it tunes.
 
 from __future__ import annotations
 
+from ..assemble.root import ShardRoot
+from ..assemble.sharding import check_bucket_bytes
 from ..base.validate import check_bool
 from ..base.warn_once import warn_once
-from ..build.root import ShardRoot
-from ..build.sharding import check_bucket_bytes
 
 
 def set_reshard_after_forward(root: ShardRoot, reshard: bool, *, root_only: bool = True) -> None:

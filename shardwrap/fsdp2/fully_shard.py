@@ -17,9 +17,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ..build.compose import build_root
-from ..build.root import ShardRoot, is_root
-from ..build.wrap_options import WrapOptions
+from ..assemble.compose import build_root
+from ..assemble.root import ShardRoot, is_root
+from ..assemble.wrap_options import WrapOptions
 from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import ShardingStrategy

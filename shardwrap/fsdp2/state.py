@@ -3,7 +3,7 @@
 One record per call, kept against the module weakly (as FSDP2 keeps its state against
 the module): the unit the call made, the mesh, the call's ``reshard_after_forward``, and,
 for the module whose call is a root now (the outermost so far), that ``ShardRoot`` (kept
-alive here: ``build/root.py``'s registry holds it weakly) and its forward hook. A later
+alive here: ``assemble/root.py``'s registry holds it weakly) and its forward hook. A later
 call on an ancestor adopts the units and clears those.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..build.root import ShardRoot
+from ..assemble.root import ShardRoot
 from ..core.unit import Unit
 from ..runtime import registry
 from ..runtime.step import StepRuntime

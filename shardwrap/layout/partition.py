@@ -1,6 +1,6 @@
 """Which unit owns which parameter: collect a module tree's parameters, assign them.
 
-Pure decisions over the module tree; no handle is built here (``build/units.py`` builds them).
+Pure decisions over the module tree; no handle is built here (``assemble/units.py`` builds them).
 """
 
 from __future__ import annotations

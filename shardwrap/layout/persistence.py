@@ -1,7 +1,7 @@
 """Persistent units: small units kept whole on every rank instead of sharded.
 
 This module holds the rule (which units are kept whole); the communicators they are built
-with are in ``build/comms.py``.
+with are in ``assemble/comms.py``.
 
 [Note: parameter persistence]
 A unit with few parameters costs more in collective latency than it saves in memory:

@@ -5,7 +5,7 @@ wrapping it twice); each root's ``StepRuntime`` is recorded against its units, s
 holding a module (``summon_full_params``, ``register_forward_method``) or a unit (the
 hooks) finds the runtime. Handles inside an active ``summon_full_params`` are recorded
 too, so a nested summon leaves them alone. The roots themselves are recorded one layer
-up, with the root object they hold (``build/root.py``).
+up, with the root object they hold (``assemble/root.py``).
 Every table holds its keys weakly, and values that refer back to their keys (a unit
 holds its module, a runtime its units) weakly too: a model that is dropped leaves no
 entry behind and is freed with its optimizer hooks, not kept until the process ends.
@@ -49,7 +49,7 @@ def is_managed(module: nn.Module) -> bool:
 
 
 def unit_of(module: nn.Module) -> Unit | None:
-    """The unit ``module`` became, if any (a root's own unit: ``build.root.own_unit``)."""
+    """The unit ``module`` became, if any (a root's own unit: ``assemble.root.own_unit``)."""
     ref = _UNITS.get(module)
     return None if ref is None else ref()
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwrap
-from shardwrap.build.root import root_of
+from shardwrap.assemble.root import root_of
 from shardwrap.comm.collectives import CollectiveMismatchError
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import shardwrap
 from shardwrap.base import at_exit
-from shardwrap.build.root import root_of
+from shardwrap.assemble.root import root_of
 from tests import models
 from tests.dist.harness import run_ranks
 from tests.dist.parity import build_model, wrap_policy

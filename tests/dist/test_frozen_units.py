@@ -13,7 +13,7 @@ import torch
 
 import shardwrap
 from shardwrap import profile
-from shardwrap.build.root import root_of
+from shardwrap.assemble.root import root_of
 from tests.dist import parity
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
-from shardwrap.build.root import root_of
+from shardwrap.assemble.root import root_of
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models
 from tests.dist.harness import run_ranks

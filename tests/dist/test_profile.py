@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shardwrap import profile
-from shardwrap.build.root import root_of
+from shardwrap.assemble.root import root_of
 from shardwrap.runtime.step import NUM_DIGEST_WORDS
 from tests.dist import parity
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
-from shardwrap.build.root import root_of
+from shardwrap.assemble.root import root_of
 from shardwrap.runtime.step import NUM_DIGEST_WORDS
 from tests import models
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwrap
-from shardwrap.build.sharding import check_one_device
+from shardwrap.assemble.sharding import check_one_device
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models
 

@@ -29,7 +29,7 @@ LAYERS = {
     "core": 4,
     "runtime": 5,
     "offload": 5,
-    "build": 6,
+    "assemble": 6,
     "ckpt": 7,
     "features": 7,
     "wrap": 8,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwrap
-from shardwrap.build.root import root_of
+from shardwrap.assemble.root import root_of
 from shardwrap.deepspeed.config import DeepSpeedConfig, PipelineConfig
 from tests import models
 

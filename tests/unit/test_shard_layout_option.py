@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwrap.build.wrap_options import WrapOptions
+from shardwrap.assemble.wrap_options import WrapOptions
 from shardwrap.layout.chunks import ChunkLayout
 from shardwrap.layout.flat import FlatLayout
 from shardwrap.layout.shard_layout import ALIGN_NUMEL, ShardLayout

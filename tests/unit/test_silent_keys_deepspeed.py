@@ -26,8 +26,8 @@ import pytest
 from torch import nn
 
 import shardwrap
+from shardwrap.assemble.root import root_of
 from shardwrap.base.warn_once import forget_warned
-from shardwrap.build.root import root_of
 from shardwrap.deepspeed import config as ds_config
 from shardwrap.deepspeed import keys as ds_keys
 from shardwrap.deepspeed import optimizer as ds_optimizer

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 import shardwrap
-from shardwrap.build.casts import excluded_modules
+from shardwrap.assemble.casts import excluded_modules
 from shardwrap.core.precision import HandlePrecision, handle_precision
 from shardwrap.features.grad_clip import _check_norm_type
 

@@ -31,7 +31,7 @@ def build_root(module: nn.Module, options: WrapOptions, *, holder: nn.Module) ->
     """Shard ``module`` as ``options`` say and return its root, registered for ``holder``.
 
     ``holder`` is the object the door hands its users (the ``ShardedModule`` around
-    ``module``); :func:`~shardwrap.build.root.root_of` finds the root from it, and the
+    ``module``); :func:`~shardwrap.assemble.root.root_of` finds the root from it, and the
     holder keeps it alive. In order: check the module, make the communicators and the
     disk store, adopt nested roots' units, plan and agree across ranks, build the new
     units, switch ZeRO++ on, start the step runtime, hook the units.

@@ -49,7 +49,7 @@ def build_units(
     """One unit per module, root first; materialise each right before it is sharded.
 
     ``owned`` is consumed, so each unit's full parameters die once its shard is built
-    ([Note: unit-by-unit materialisation] in ``build/deferred_init.py``).
+    ([Note: unit-by-unit materialisation] in ``assemble/deferred_init.py``).
     """
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     units = []
