@@ -122,6 +122,13 @@ class FSDPModule:
         "set_unshard_in_backward", "every unit is gathered for its backward"
     )
     reset_iter_state = _refused("reset_iter_state", "the runtime resets at each forward")
+    # torch 2.15's additions
+    _finalize = "the end of backward runs from torch's autograd callback, as FSDP2's default"
+    set_manual_backward_finalization = _refused("set_manual_backward_finalization", _finalize)
+    finalize_backward = _refused("finalize_backward", _finalize)
+    set_keep_unsharded_storage = _refused(
+        "set_keep_unsharded_storage", "use set_reshard_after_forward/after_backward(False)"
+    )
 
 
 def _whole_root(module: Any, method: str, recurse: object):
