@@ -29,7 +29,14 @@ from shardwrap.offload.disk import is_file_backed
 from shardwrap.policies import ModuleWrapPolicy
 
 WIDTH, DEPTH = 768, 24  # 14.2M parameters: 57 MB fp32, 227 MB with gradients and AdamW
-CEILING_HEADROOM = 16 << 20  # per rank; each rank's master shard alone is 28 MB
+# Per rank, derived from what one disk-offloaded step must hold in private memory, not
+# tuned on one CPU: the streamed AdamW step's sub-group (SUB_GROUP elements: its gradient
+# and moments read in, and foreach temporaries, about 4 x 4 MiB) plus two gathered units
+# (the one computing and the one prefetched: weight, its gradient and the flat gradient
+# being reduced, 3 x 2 x 2.3 MiB), about 30 MiB. 16 MiB held on an AMD AVX-512 machine and
+# failed on an Intel AMX one (a 2.3 MiB gradient refused in backward). The in-memory run
+# needs its whole state (113 MB per rank) on top, so it still cannot fit.
+CEILING_HEADROOM = 32 << 20
 SUB_GROUP = 1 << 20  # elements stepped between page releases
 STEPS = 3
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>

@@ -67,7 +67,7 @@ def test_disk_offload_trains_a_model_several_times_the_ceiling(tmp_path) -> None
     # Fresh ranks: the ceiling and the malloc settings must not reach the shared pool.
     results = run_ranks(ceiling_cases.trains_beyond_the_ceiling, 2, str(tmp_path), fresh=True)
     for rank, result in enumerate(results):
-        assert result["state_bytes"] >= 6 * ceiling_cases.CEILING_HEADROOM, (rank, result)
+        assert result["state_bytes"] >= 3 * ceiling_cases.CEILING_HEADROOM, (rank, result)
         # The same model in memory meets the ceiling (and says so, rather than swapping).
         assert result["failure"] is not None, f"rank {rank}: training in memory fit the ceiling"
         assert "can't allocate memory" in result["failure"] or "MemoryError" in result["failure"]
