@@ -50,6 +50,15 @@ class _Reduction:
     replicate_done: bool  # the replica all-reduce already ran as the first stage
 
 
+def checked_divide_factor(factor: object) -> float:
+    """``factor`` as a gradient divisor: a positive, finite number (errors name it)."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"factor: expected a number, got {type(factor).__name__}")
+    if not 0 < factor < float("inf"):
+        raise ValueError(f"factor: {factor} must be a positive, finite number")
+    return float(factor)
+
+
 class UnitGrads:
     """Gradient reduction of one unit (see the module docstring)."""
 
@@ -104,6 +113,19 @@ class UnitGrads:
         # (parameter index, its reduced 1D piece) -> what its shard view's ``.grad`` is; the
         # FSDP2 door's shard views are DTensors, so their gradients are too. None: the piece.
         self.shard_grad_view: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+        # What the summed gradient is divided by; None: the data-parallel size (the mean).
+        self._divide_factor: float | None = None
+
+    def set_divide_factor(self, factor: float | None) -> None:
+        """Divide the summed gradient by ``factor`` from now on (None: by the number of
+        data-parallel ranks, the mean). FSDP2's ``set_gradient_divide_factor``: 1.0 sums."""
+        self._divide_factor = None if factor is None else checked_divide_factor(factor)
+
+    @property
+    def gradient_divisor(self) -> float:
+        """What the summed gradient is divided by (see :meth:`set_divide_factor`)."""
+        factor = self._divide_factor
+        return self.data_parallel_size if factor is None else factor
 
     def keep_reduced_in(self, store: GradStore) -> None:
         """Keep reduced gradients in ``store`` from now on ([Note: gradients in a grad store])."""
@@ -202,7 +224,7 @@ class UnitGrads:
         if self.grad_store is not None and self.pending_grad_shard is None:
             self.pending_grad_shard = self._stored(reduced)
             return
-        reduced = reduced.to(self.dtype).div_(self.data_parallel_size)
+        reduced = reduced.to(self.dtype).div_(self.gradient_divisor)
         if self.host_staging is not None:  # the optimizer steps on the host
             reduced = self.host_staging.to_host(reduced)
         if self.pending_grad_shard is None:
@@ -216,7 +238,7 @@ class UnitGrads:
         store = self.grad_store
         assert store is not None
         kept = store.grad_buffer(self, self.comm_label, reduced.numel(), self.dtype)
-        kept.copy_(reduced).div_(self.data_parallel_size)
+        kept.copy_(reduced).div_(self.gradient_divisor)
         release_resident(kept)
         return kept
 

@@ -97,10 +97,23 @@ class FSDPModule:
     _order = "shardwrap prefetches the next unit in forward and backward order by itself"
     set_modules_to_forward_prefetch = _refused("set_modules_to_forward_prefetch", _order)
     set_modules_to_backward_prefetch = _refused("set_modules_to_backward_prefetch", _order)
-    _divide = "gradients are averaged over the mesh (FSDP2's default)"
-    set_gradient_divide_factor = _refused("set_gradient_divide_factor", _divide)
-    set_reduce_scatter_divide_factor = _refused("set_reduce_scatter_divide_factor", _divide)
-    set_force_sum_reduction_for_comms = _refused("set_force_sum_reduction_for_comms", _divide)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's unit's summed gradients by ``factor`` instead of the mesh
+        size (1.0: the sum, as torchtitan asks of FSDP2 when it scales the loss itself)."""
+        handle = _unit(self).handle  # type: ignore[arg-type]
+        if handle is not None:  # a unit without parameters reduces nothing
+            handle.grads.set_divide_factor(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted, and true either way: shardwrap's collectives always reduce with SUM
+        and divide afterwards, which is what ``enable=True`` asks of FSDP2."""
+        check_bool("enable", enable)
+
     _hsdp = "only a 1-D mesh (no replica all-reduce) is supported"
     set_requires_all_reduce = _refused("set_requires_all_reduce", _hsdp)
     set_all_reduce_hook = _refused("set_all_reduce_hook", _hsdp)

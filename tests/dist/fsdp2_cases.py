@@ -97,6 +97,9 @@ class Script:
     adamw: tuple[tuple[str, float], ...] = (("lr", LR), ("weight_decay", 0.1))
     microbatches: int = 1
     mlp_as_list: bool = False  # fully_shard([block.up, block.down]) first: a list as one unit
+    # torchtitan's way: every FSDPModule's set_gradient_divide_factor(1.0) (and
+    # set_force_sum_reduction_for_comms(True)): gradients summed over the ranks, not averaged.
+    sum_gradients: bool = False
 
 
 def run_script(
@@ -111,6 +114,11 @@ def run_script(
             shard([block.up, block.down], mesh=mesh)
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
+    if script.sum_gradients:
+        for module in model.modules():
+            if isinstance(module, (torch_fsdp.FSDPModule, shardwrap.FSDPModule)):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
     optim = torch.optim.AdamW(model.parameters(), **dict(script.adamw))
     record = Record()
     for step in range(NUM_STEPS):

@@ -28,12 +28,16 @@ from tests.tolerances import REORDER_SAFE_ADAMW, REORDERED_VALUE_TOL, reordered_
 EXACT = fc.Script()
 ACCUMULATING = fc.Script(microbatches=2)
 LISTS = fc.Script(mlp_as_list=True)
+# Negative control (run once): set_gradient_divide_factor a no-op fails it (grad norm).
+SUMMED = fc.Script(sum_gradients=True)
 REORDER_SAFE = fc.Script(adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)))
 REORDERED = fc.Tolerances(values=REORDERED_VALUE_TOL, params=reordered_param_tol)
 
 
 @pytest.mark.parametrize(
-    "script", [EXACT, ACCUMULATING, LISTS], ids=["adamw", "accumulate", "list_unit"]
+    "script",
+    [EXACT, ACCUMULATING, LISTS, SUMMED],
+    ids=["adamw", "accumulate", "list_unit", "summed_gradients"],
 )
 def test_two_ranks_equal_torch_fsdp2_bit_for_bit(script):
     for rank, found in enumerate(run_ranks(fc.compare, 2, script, None, False)):

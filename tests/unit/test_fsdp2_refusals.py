@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 import shardwrap
+from shardwrap.core.grads import checked_divide_factor
 from shardwrap.fsdp2.fully_shard_args import parse_options
 from shardwrap.fsdp2.module import FSDPModule, as_fsdp_module
 
@@ -66,6 +67,9 @@ REFUSED = [
         "set_reshard_after_backward",
         "set_is_last_backward",
         "set_reshard_after_forward",
+        "set_gradient_divide_factor",
+        "set_reduce_scatter_divide_factor",
+        "set_force_sum_reduction_for_comms",
     )
 ]
 
@@ -84,3 +88,20 @@ def test_every_torch_fsdp_module_method_is_answered():
     torch_names = {n for n in vars(torch.distributed.fsdp.FSDPModule) if not n.startswith("_")}
     ours = set(vars(FSDPModule))
     assert torch_names - ours == set()
+
+
+@pytest.mark.parametrize(
+    ("factor", "error"),
+    [
+        (0, ValueError),
+        (-2.0, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (True, TypeError),
+        ("2", TypeError),
+    ],
+)
+def test_a_gradient_divide_factor_must_be_a_positive_finite_number(factor, error):
+    with pytest.raises(error, match="factor"):
+        checked_divide_factor(factor)
+    assert checked_divide_factor(2) == 2.0 and checked_divide_factor(1.0) == 1.0
