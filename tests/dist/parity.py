@@ -12,6 +12,7 @@ from torch import nn
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models
+from tests.tolerances import REORDER_SAFE_ADAMW
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    if kind == "reorder_safe_adamw":  # the bound of tests/tolerances.reordered_param_tol
+        return torch.optim.AdamW(groups, **REORDER_SAFE_ADAMW)
     return torch.optim.AdamW(groups, lr=0.01)
 
 

@@ -18,6 +18,7 @@ from tests.dist.parity import (
     make_optimizer,
     wrap_case,
 )
+from tests.tolerances import reordered_param_tol
 
 NUM_MICRO_BATCHES = 2
 NUM_STEPS = 2
@@ -37,7 +38,11 @@ def _accumulate(rank: int, world_size: int, strategy: str, use_no_sync: bool) ->
     model = build_model(case.model)
     reference = copy.deepcopy(model)
     sharded = wrap_case(model, case)
-    optim, ref_optim = make_optimizer(sharded, "adamw"), make_optimizer(reference, "adamw")
+    # Micro-batches sum the gradient in another order than the big batch: AdamW with the
+    # reorder-safe eps, so the parameters' difference has a derived bound (it failed torch's
+    # default fp32 tolerance at 3 ranks under ATEN_CPU_CAPABILITY=default, 1.27e-5 > 1e-5).
+    kind = "reorder_safe_adamw"
+    optim, ref_optim = make_optimizer(sharded, kind), make_optimizer(reference, kind)
     counts = {"non_final_grad_traffic": 0, "non_final_gathers": 0, "final_grad_traffic": 0}
     for step in range(NUM_STEPS):
         micro = [
@@ -61,7 +66,7 @@ def _accumulate(rank: int, world_size: int, strategy: str, use_no_sync: bool) ->
                 counts["non_final_grad_traffic"] += _grad_traffic(sharded.comm_ledger)
                 counts["non_final_gathers"] += sharded.comm_ledger.count("all_gather", "params")
         optim.zero_grad()
-        check_shards(sharded, reference, exact=False)
+        check_shards(sharded, reference, exact=False, tol=reordered_param_tol(step + 1))
     return counts
 
 
