@@ -51,8 +51,15 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format shardwrap tests benchmarks examples
 	$(VENV)/bin/ruff check --fix shardwrap tests benchmarks examples
 
+# Two pytest workers (pytest-xdist), each with its own rank pools, a whole test file at a
+# time (a file's pooled ranks and module fixtures stay in one worker): most tests wait on
+# rank start-up, gloo and process exits more than they compute, so one stream left a core
+# idle (load average about 1.2 over a quiet serial run). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: lint
-	DS_ACCELERATOR=cpu $(PY) -m pytest $(TESTS)
+	DS_ACCELERATOR=cpu $(PY) -m pytest $(XDIST) $(TESTS)
 
 # Torch and shardwrap only: the demo needs none of the test extra.
 demo: $(BASE_STAMP)
