@@ -72,6 +72,12 @@ class _CastOutput:
         return _cast_floating(output, self.dtype)
 
 
+def cast_outputs(module: nn.Module, dtype: torch.dtype) -> Any:
+    """Cast ``module``'s floating outputs to ``dtype`` after its forward (a forward hook
+    registered now, so after those before it); returns the hook handle."""
+    return module.register_forward_hook(_CastOutput(dtype))
+
+
 def install_casts(
     units: list[Unit], root: nn.Module, policy: MixedPrecision | None, full_precision: set[int]
 ) -> list[Any]:

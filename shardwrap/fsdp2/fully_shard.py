@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from ..assemble.casts import cast_outputs
 from ..assemble.compose import build_root
 from ..assemble.root import ShardRoot, is_root
 from ..assemble.wrap_options import WrapOptions
@@ -24,7 +25,7 @@ from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import ShardingStrategy
 from .dtensor_views import install_dtensor_views
-from .fully_shard_args import NOT_YET, parse_options
+from .fully_shard_args import NOT_YET, UnitOptions, parse_options
 from .group_hooks import register_group_hooks
 from .module import as_fsdp_module
 from .state import DoorUnit, set_state, state_of
@@ -73,7 +74,7 @@ def fully_shard(
     nested_roots = _release_nested(target)
     # The holder is the module users hold; a list's is its first member (in the tree,
     # where an ancestor's call finds it).
-    root = build_root(target, _wrap_options(mesh), holder=members[0])
+    root = build_root(target, _wrap_options(mesh, options), holder=members[0])
     del nested_roots
     unit = root.units[0]
     if unit.handle is not None:
@@ -84,16 +85,23 @@ def fully_shard(
         set_state(owner, state)
     if len(members) > 1:
         register_group_hooks(unit, members)
+    if options.output_dtype is not None:
+        # After the unit's own forward hooks, as FSDP2 casts after its post-forward; on
+        # each member of a list, as FSDP2 casts each one's outputs.
+        for member in members:
+            unit.add_hook_handle(cast_outputs(member, options.output_dtype))
     _start_root(root, members[0])
     for member in members:
         as_fsdp_module(member)
     return module
 
 
-def _wrap_options(mesh) -> WrapOptions:
-    """The door's ``WrapOptions``: ZeRO-3 on ``mesh``'s group, FSDP2's dim-0 chunks."""
+def _wrap_options(mesh, options: UnitOptions) -> WrapOptions:
+    """The door's ``WrapOptions``: ZeRO-3 on ``mesh``'s group, FSDP2's dim-0 chunks, the
+    call's mixed precision ([Note: FSDP2's mixed precision on the engine])."""
     return WrapOptions(
         sharding_strategy=STRATEGY,
+        mixed_precision=options.mixed_precision,
         device_mesh=mesh,
         layout=ShardLayout.DIM0_CHUNKS,
         fsdp1_units=False,

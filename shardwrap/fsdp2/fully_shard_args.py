@@ -1,18 +1,38 @@
 """``fully_shard``'s arguments, parsed into what the engine acts on; everything else refused.
 
 torch's own option records (``MixedPrecisionPolicy``, ``OffloadPolicy``) are the defaults,
-so ``fully_shard``'s signature is torch's. This slice supports fp32 training with the
-default policies: a policy that asks for anything else is refused with its name and what
-to do, never silently dropped.
+so ``fully_shard``'s signature is torch's. A policy asking for what the engine cannot do
+as FSDP2 does is refused with its name and what to do, never silently dropped.
+
+[Note: FSDP2's mixed precision on the engine]
+Each call's ``MixedPrecisionPolicy`` becomes the engine's ``MixedPrecision`` for that
+call's unit (``core/precision.py``: gather in ``param_dtype``, reduce in ``reduce_dtype``,
+gradients back in the master dtype), so every call may carry its own policy, as in FSDP2.
+FSDP2 casts the floating forward inputs of every module it was called on, the root
+included, when ``cast_forward_inputs`` is set *and* ``param_dtype`` is not None
+(``FSDPState._cast_forward_inputs``): ``cast_forward_inputs`` and
+``cast_root_forward_inputs`` both take the policy's flag, and the engine skips the casts
+without a ``param_dtype`` as FSDP2 does. FSDP2 knows no full-precision module classes
+(FSDP1's BatchNorm exception): ``module_classes_to_ignore`` is empty. ``output_dtype`` is
+the door's own forward hook (``fully_shard.py``).
+
+Refused: a reduction in float16. FSDP2 divides fp16 gradients by about sqrt(world size)
+before the reduce-scatter and by the rest after it, in fp16
+(``_get_gradient_divide_factors``: overflow risk); the engine sums in the reduce dtype and
+divides once in the master dtype, which rounds differently where a sum overflows or
+leaves fp16's normal range. In fp32 and bf16 FSDP2 divides once, by the world size, as
+the engine does (exact at 2 ranks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from ..base.validate import check_bool
+from ..options import MixedPrecision
 
 NOT_YET = "is not yet supported by shardwrap.fully_shard"
 
@@ -24,6 +44,10 @@ class UnitOptions:
     # True/False as given; None: FSDP2's default, decided once the root is known
     # (False for the root, which backward needs first, True for every other unit).
     reshard_after_forward: bool | None
+    # The engine's record of mp_policy ([Note: FSDP2's mixed precision on the engine]);
+    # None: the default policy (compute, gather and reduce in the parameters' dtype).
+    mixed_precision: MixedPrecision | None = None
+    output_dtype: torch.dtype | None = None  # floating outputs cast to it after forward
 
 
 def parse_options(
@@ -47,7 +71,7 @@ def parse_options(
         raise ValueError(
             f"shard_placement_fn {NOT_YET}: parameters are sharded on dim 0 (Shard(0)); pass None"
         )
-    _check_mp_policy(mp_policy)
+    mixed_precision, output_dtype = _parse_mp_policy(mp_policy)
     _check_offload_policy(offload_policy)
     if ignored_params:
         raise ValueError(
@@ -56,19 +80,44 @@ def parse_options(
         )
     if dp_mesh_dims is not None:
         raise ValueError(f"dp_mesh_dims {NOT_YET}; pass a 1-D mesh as mesh=")
-    return UnitOptions(reshard_after_forward=reshard_after_forward)  # type: ignore[arg-type]
+    return UnitOptions(
+        reshard_after_forward=reshard_after_forward,  # type: ignore[arg-type]
+        mixed_precision=mixed_precision,
+        output_dtype=output_dtype,
+    )
 
 
-def _check_mp_policy(mp_policy: object) -> None:
+def _parse_mp_policy(mp_policy: object) -> tuple[MixedPrecision | None, torch.dtype | None]:
+    """``mp_policy`` as the engine's ``MixedPrecision`` and the output dtype ([Note:
+    FSDP2's mixed precision on the engine])."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"mp_policy: expected a MixedPrecisionPolicy, got {type(mp_policy).__name__}"
         )
-    if mp_policy != MixedPrecisionPolicy():
+    output_dtype = mp_policy.output_dtype
+    if output_dtype is not None and not (
+        isinstance(output_dtype, torch.dtype) and output_dtype.is_floating_point
+    ):
+        raise ValueError(f"mp_policy.output_dtype: expected a floating dtype, got {output_dtype!r}")
+    if mp_policy.reduce_dtype is None and mp_policy.param_dtype is None:
+        return None, output_dtype  # no casts (FSDP2 casts inputs only to a param_dtype)
+    if (mp_policy.reduce_dtype or mp_policy.param_dtype) == torch.float16:
         raise ValueError(
-            f"mp_policy={mp_policy}: mixed precision {NOT_YET} (fp32 only in this release); "
-            "pass MixedPrecisionPolicy(), or use shardwrap.ShardedModule(mixed_precision=...)"
+            f"mp_policy={mp_policy}: a gradient reduction in torch.float16 {NOT_YET} "
+            "(FSDP2 divides fp16 gradients before and after the reduce-scatter); "
+            "pass reduce_dtype=torch.float32 or torch.bfloat16"
         )
+    try:
+        policy = MixedPrecision(
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            cast_forward_inputs=mp_policy.cast_forward_inputs,
+            cast_root_forward_inputs=mp_policy.cast_forward_inputs,
+            module_classes_to_ignore=(),
+        )
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"mp_policy.{error}") from None
+    return policy, output_dtype
 
 
 def _check_offload_policy(offload_policy: object) -> None:

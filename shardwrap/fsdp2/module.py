@@ -70,7 +70,10 @@ class FSDPModule:
     ) -> None:
         """Whether backward reduce-scatters gradients (False: accumulate them locally)."""
         value = check_bool("requires_gradient_sync", requires_gradient_sync)
-        _whole_root(self, "set_requires_gradient_sync", recurse).sync_grads = value
+        runtime = _whole_root(self, "set_requires_gradient_sync", recurse)
+        if not value:
+            _check_local_accumulation(runtime)
+        runtime.sync_grads = value
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         """Whether units free their gathered parameters after backward (default True)."""
@@ -155,6 +158,24 @@ def _whole_root(module: Any, method: str, recurse: object):
             "the flag is the root's; call it on the root module with recurse=True"
         )
     return runtime
+
+
+def _check_local_accumulation(runtime) -> None:
+    """Refuse skipping the gradient sync where FSDP2 would accumulate in another dtype.
+
+    Without a sync FSDP2 keeps a unit's unsharded gradients in its ``reduce_dtype``
+    (``FSDPParam.to_accumulated_grad_if_needed``); the engine keeps them in the compute
+    dtype (``param_dtype``), so the two differ whenever those two dtypes do.
+    """
+    for unit in runtime.units:
+        handle = unit.handle
+        if handle is not None and handle.compute_dtype != handle.reduce_dtype:
+            raise NotImplementedError(
+                "FSDPModule.set_requires_gradient_sync(False) is not yet supported by "
+                f"shardwrap for unit {unit.name!r}: its mp_policy reduces in "
+                f"{handle.reduce_dtype} but computes in {handle.compute_dtype}, and FSDP2 "
+                "accumulates unsynced gradients in the reduce dtype; use one dtype for both"
+            )
 
 
 def as_fsdp_module(module: nn.Module) -> None:

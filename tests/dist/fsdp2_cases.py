@@ -100,6 +100,18 @@ class Script:
     # torchtitan's way: every FSDPModule's set_gradient_divide_factor(1.0) (and
     # set_force_sum_reduction_for_comms(True)): gradients summed over the ranks, not averaged.
     sum_gradients: bool = False
+    # The blocks' calls' MixedPrecisionPolicy as (param_dtype, reduce_dtype, output_dtype,
+    # cast_forward_inputs), and the root call's; None: the default policy.
+    mp: tuple | None = None
+    root_mp: tuple | None = None
+
+
+def mp_policies(script: Script) -> tuple[dict, dict]:
+    """``fully_shard``'s keywords for the blocks' calls and for the root's."""
+    return tuple(
+        {} if fields is None else {"mp_policy": torch_fsdp.MixedPrecisionPolicy(*fields)}
+        for fields in (script.mp, script.root_mp)
+    )
 
 
 def run_script(
@@ -109,11 +121,12 @@ def run_script(
     torch.manual_seed(0)
     model = TinyModel()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    block_kw, root_kw = mp_policies(script)
     for block in model.blocks:
         if script.mlp_as_list:
-            shard([block.up, block.down], mesh=mesh)
-        shard(block, mesh=mesh)
-    shard(model, mesh=mesh)
+            shard([block.up, block.down], mesh=mesh, **block_kw)
+        shard(block, mesh=mesh, **block_kw)
+    shard(model, mesh=mesh, **root_kw)
     if script.sum_gradients:
         for module in model.modules():
             if isinstance(module, (torch_fsdp.FSDPModule, shardwrap.FSDPModule)):
@@ -170,13 +183,28 @@ def undivided_fully_shard(module: nn.Module, **kwargs) -> nn.Module:
     return module
 
 
+def fp32_gather_fully_shard(module: nn.Module, *, mp_policy=None, **kwargs) -> nn.Module:
+    """The negative control of mixed precision: shardwrap's ``fully_shard`` with the
+    policy's ``param_dtype`` ignored (gathered and computed in fp32), its reduce dtype kept."""
+    if mp_policy is not None:
+        reduce_dtype = mp_policy.reduce_dtype or mp_policy.param_dtype
+        mp_policy = torch_fsdp.MixedPrecisionPolicy(
+            None, reduce_dtype, mp_policy.output_dtype, mp_policy.cast_forward_inputs
+        )
+        kwargs["mp_policy"] = mp_policy
+    return shardwrap.fully_shard(module, **kwargs)
+
+
+CONTROLS = {"undivided": undivided_fully_shard, "fp32_gather": fp32_gather_fully_shard}
+
+
 def both(
-    rank: int, world_size: int, script: Script = Script(), control: bool = False
+    rank: int, world_size: int, script: Script = Script(), control: str | None = None
 ) -> tuple[Record, Record]:
-    """torch's run, then shardwrap's (or the negative control's), on the same ranks."""
+    """torch's run, then shardwrap's (or the negative control named ``control``'s)."""
     reference = torch_run(rank, world_size, script)
     dist.barrier()
-    shard = undivided_fully_shard if control else shardwrap.fully_shard
+    shard = shardwrap.fully_shard if control is None else CONTROLS[control]
     return reference, run_script(shard, rank, world_size, script)
 
 
@@ -226,7 +254,7 @@ def differences(reference: Record, ours: Record, tol: Tolerances | None = None) 
 
 
 def compare(
-    rank: int, world_size: int, script: Script, tol: Tolerances | None, control: bool
+    rank: int, world_size: int, script: Script, tol: Tolerances | None, control: str | None
 ) -> list[str]:
     """Run both and return their differences (compared on the rank: records stay here)."""
     reference, ours = both(rank, world_size, script, control)

@@ -12,13 +12,19 @@ values agree within the bounds of tests/tolerances.py (AdamW with eps = 1e-3 the
 shapes, placements and keys exactly. The model's uneven rows leave some rank's chunk
 short or empty (tests/dist/fsdp2_cases.py).
 
-Negative control (in the suite): gradients not divided by the world size
-(``fc.undivided_fully_shard``) must fail the same comparison.
+Mixed precision (``MixedPrecisionPolicy`` per call: bf16, bf16 reducing in fp32, fp32
+outputs, bf16 blocks in an fp32 root) is compared the same way at 2 ranks, bit for bit:
+both sides compute the same bf16 ops, and a two-term bf16 sum divided by 2 rounds alike.
+
+Negative controls (in the suite): gradients not divided by the world size
+(``fc.undivided_fully_shard``), and the policy's ``param_dtype`` ignored
+(``fc.fp32_gather_fully_shard``), must fail the same comparison.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.dist import fsdp2_api_cases as api
 from tests.dist import fsdp2_cases as fc
@@ -30,22 +36,40 @@ ACCUMULATING = fc.Script(microbatches=2)
 LISTS = fc.Script(mlp_as_list=True)
 # Negative control (run once): set_gradient_divide_factor a no-op fails it (grad norm).
 SUMMED = fc.Script(sum_gradients=True)
+# Mixed precision, each call's policy: (param_dtype, reduce_dtype, output_dtype, cast_inputs).
+_BF16 = (torch.bfloat16, None, None, True)
+BF16 = fc.Script(mp=_BF16, root_mp=_BF16)
+_FP32_REDUCE = (torch.bfloat16, torch.float32, None, True)
+BF16_FP32_REDUCE = fc.Script(mp=_FP32_REDUCE, root_mp=_FP32_REDUCE)
+FP32_OUTPUT = fc.Script(mp=_BF16, root_mp=(torch.bfloat16, None, torch.float32, True))
+# bf16 blocks in an fp32 root: each block casts its fp32 inputs to bf16 and its outputs
+# back to fp32 (the root's default policy computes in fp32).
+BF16_BLOCKS = fc.Script(mp=(torch.bfloat16, None, torch.float32, True))
 REORDER_SAFE = fc.Script(adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)))
 REORDERED = fc.Tolerances(values=REORDERED_VALUE_TOL, params=reordered_param_tol)
 
 
 @pytest.mark.parametrize(
     "script",
-    [EXACT, ACCUMULATING, LISTS, SUMMED],
-    ids=["adamw", "accumulate", "list_unit", "summed_gradients"],
+    [EXACT, ACCUMULATING, LISTS, SUMMED, BF16, BF16_FP32_REDUCE, FP32_OUTPUT, BF16_BLOCKS],
+    ids=[
+        "adamw",
+        "accumulate",
+        "list_unit",
+        "summed_gradients",
+        "bf16",
+        "bf16_fp32_reduce",
+        "fp32_output",
+        "bf16_blocks_in_fp32_root",
+    ],
 )
 def test_two_ranks_equal_torch_fsdp2_bit_for_bit(script):
-    for rank, found in enumerate(run_ranks(fc.compare, 2, script, None, False)):
+    for rank, found in enumerate(run_ranks(fc.compare, 2, script, None, None)):
         assert found == [], f"rank {rank}: {found[:8]}"
 
 
 def test_three_ranks_equal_torch_fsdp2_within_reordering_bounds():
-    for rank, found in enumerate(run_ranks(fc.compare, 3, REORDER_SAFE, REORDERED, False)):
+    for rank, found in enumerate(run_ranks(fc.compare, 3, REORDER_SAFE, REORDERED, None)):
         assert found == [], f"rank {rank}: {found[:8]}"
 
 
@@ -53,7 +77,7 @@ def test_three_ranks_equal_torch_fsdp2_within_reordering_bounds():
 def test_negative_control_undivided_gradients_differ(world_size):
     tol = None if world_size == 2 else REORDERED
     script = EXACT if world_size == 2 else REORDER_SAFE
-    for found in run_ranks(fc.compare, world_size, script, tol, True):
+    for found in run_ranks(fc.compare, world_size, script, tol, "undivided"):
         assert any("grad norm" in line for line in found), found[:8]
 
 
@@ -83,3 +107,11 @@ def test_the_optimizer_step_notes_every_unit_of_the_door():
     Negative control (run once): without that call the root's count stayed 0."""
     for counts in run_ranks(api.stepped_units, 2):
         assert counts == {"root": 1, "block0": 1, "block1": 1}, counts
+
+
+def test_negative_control_param_dtype_ignored_differs():
+    """Mixed precision's control: shardwrap's run gathering and computing in fp32 (the
+    policy's param_dtype dropped, its bf16 reduction kept) must fail the bit-for-bit
+    comparison with torch's bf16 run, on the losses first."""
+    for found in run_ranks(fc.compare, 2, BF16, None, "fp32_gather"):
+        assert any("loss" in line for line in found), found[:8]

@@ -7,6 +7,8 @@ the same checks (``test_defaults_pass``), so the refusals are not a blanket fail
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -15,7 +17,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 import shardwrap
 from shardwrap.core.grads import checked_divide_factor
 from shardwrap.fsdp2.fully_shard_args import parse_options
-from shardwrap.fsdp2.module import FSDPModule, as_fsdp_module
+from shardwrap.fsdp2.module import FSDPModule, _check_local_accumulation, as_fsdp_module
+from shardwrap.options import MixedPrecision
 
 DEFAULTS = dict(
     reshard_after_forward=None,
@@ -34,13 +37,54 @@ def test_defaults_pass():
     )
 
 
+def test_mixed_precision_policies_become_the_engines_record():
+    """Negative control of the fp16 refusals: fp16 compute reducing in fp32 passes."""
+    bf16 = parse_options(**{**DEFAULTS, "mp_policy": MixedPrecisionPolicy(torch.bfloat16)})
+    assert bf16.mixed_precision == MixedPrecision(
+        param_dtype=torch.bfloat16,
+        cast_forward_inputs=True,
+        cast_root_forward_inputs=True,
+        module_classes_to_ignore=(),
+    )
+    assert bf16.output_dtype is None
+    policy = MixedPrecisionPolicy(torch.float16, torch.float32, torch.float32, False)
+    fp16 = parse_options(**{**DEFAULTS, "mp_policy": policy})
+    assert fp16.mixed_precision.reduce_dtype == torch.float32
+    assert not fp16.mixed_precision.cast_forward_inputs
+    assert not fp16.mixed_precision.cast_root_forward_inputs
+    assert fp16.output_dtype == torch.float32
+    only_output = MixedPrecisionPolicy(output_dtype=torch.bfloat16)
+    assert parse_options(**{**DEFAULTS, "mp_policy": only_output}).mixed_precision is None
+    assert parse_options(**DEFAULTS).mixed_precision is None
+
+
+def _runtime_with(compute_dtype, reduce_dtype):
+    handle = SimpleNamespace(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    return SimpleNamespace(units=[SimpleNamespace(name="blocks.0", handle=handle)])
+
+
+def test_unsynced_accumulation_in_another_dtype_than_fsdp2s_is_refused():
+    """FSDP2 accumulates unsynced gradients in reduce_dtype, the engine in param_dtype.
+    Negative control: one dtype for both passes."""
+    with pytest.raises(NotImplementedError, match="set_requires_gradient_sync.*blocks.0"):
+        _check_local_accumulation(_runtime_with(torch.bfloat16, torch.float32))
+    _check_local_accumulation(_runtime_with(torch.bfloat16, torch.bfloat16))
+
+
 @pytest.mark.parametrize(
     ("argument", "value", "error"),
     [
         ("reshard_after_forward", 2, ValueError),
         ("reshard_after_forward", "yes", TypeError),
         ("shard_placement_fn", lambda p: None, ValueError),
-        ("mp_policy", MixedPrecisionPolicy(param_dtype=torch.bfloat16), ValueError),
+        ("mp_policy", MixedPrecisionPolicy(param_dtype=torch.float16), ValueError),
+        (
+            "mp_policy",
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16),
+            ValueError,
+        ),
+        ("mp_policy", MixedPrecisionPolicy(param_dtype=torch.int8), ValueError),
+        ("mp_policy", MixedPrecisionPolicy(output_dtype=torch.int32), ValueError),
         ("mp_policy", "bf16", TypeError),
         ("offload_policy", CPUOffloadPolicy(), ValueError),
         ("ignored_params", {nn.Parameter(torch.zeros(1))}, ValueError),
