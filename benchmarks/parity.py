@@ -37,12 +37,33 @@ class Run:
     state: dict[str, torch.Tensor]
 
 
-def wrap(model: nn.Module, impl: str, *, hybrid_shard_size: int = 0, **options) -> nn.Module:
-    """``model`` wrapped by DDP (``impl == "DDP"``) or by shardwrap with strategy ``impl``
-    and further ``ShardedModule`` ``options``.
+def grouped_allreduce_hook(groups: tuple, bucket):  # DDP rejects a string annotation
+    """A DDP comm hook that sums each gradient bucket as a hybrid strategy does: over
+    ``groups[0]`` (the shard group), then over ``groups[1]`` (the replicas), then divides
+    by the world size. DDP's own all-reduce adds the ranks' terms in gloo's ring order,
+    which depends on the element's position; this order is the hybrid's, so the two agree
+    bit for bit instead of within a rounding bound."""
+    tensor = bucket.buffer()
+    for group in groups:
+        dist.all_reduce(tensor, group=group)
+    tensor.div_(dist.get_world_size())
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def wrap(
+    model: nn.Module, impl: str, *, hybrid_shard_size: int = 0, ddp_groups=None, **options
+) -> nn.Module:
+    """``model`` wrapped by DDP (``impl == "DDP"``; with ``ddp_groups``, summing through
+    :func:`grouped_allreduce_hook`) or by shardwrap with strategy ``impl`` and further
+    ``ShardedModule`` ``options``.
     """
     if impl == "DDP":
-        return DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model)
+        if ddp_groups is not None:
+            ddp.register_comm_hook(tuple(ddp_groups), grouped_allreduce_hook)
+        return ddp
     import shardwrap
     from shardwrap.wrap import ModuleWrapPolicy
 
@@ -65,6 +86,7 @@ def train(
     num_steps: int,
     batch_size: int = 2,
     hybrid_shard_size: int = 0,
+    ddp_groups=None,
     **options,
 ) -> Run:
     """Train ``impl`` for ``num_steps`` steps on this rank's batches; losses are means over
@@ -72,7 +94,9 @@ def train(
     go to ``ShardedModule``.
     """
     model = gpt.build(config)
-    wrapped = wrap(model, impl, hybrid_shard_size=hybrid_shard_size, **options)
+    wrapped = wrap(
+        model, impl, hybrid_shard_size=hybrid_shard_size, ddp_groups=ddp_groups, **options
+    )
     optimizer = make_optimizer(wrapped)
     losses = train_losses(wrapped, optimizer, config, num_steps, batch_size)
     source = model if impl == "DDP" else wrapped
