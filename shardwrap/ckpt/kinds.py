@@ -29,7 +29,7 @@ from .piece_records import (
 )
 from .run_state import RunLoad, save_run
 from .safetensors_writer import StreamItem
-from .slots import ParamSlot
+from .slots import ParamSlot, shaped_like
 
 
 def _add(saved: Saved, record: PieceRecord, value: torch.Tensor) -> None:
@@ -172,7 +172,7 @@ class OptimLoad(KindLoad):
             if entry.shape == ():
                 return ctx.reader.read_full(name, entry)
             flat = slot.read_local(lambda s, e: ctx.reader.read_range(name, entry, s, e))
-            return flat.reshape(slot.local.shape)
+            return shaped_like(slot.local, flat)
 
         groups_slots = optimizer_slots(ctx.optimizer, ctx.slots)
         loaded = build_load_dict(ctx.optimizer, groups_slots, saved_groups(ctx), names, read)

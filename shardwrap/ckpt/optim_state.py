@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .slots import ModelSlots, ParamSlot
+from .slots import ModelSlots, ParamSlot, local_part
 
 SHARDED, SCALAR, VALUE = "sharded", "scalar", "value"
 
@@ -172,11 +172,6 @@ def build_load_dict(
     return {"state": state, "param_groups": groups}
 
 
-def local_view(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
-    """A 1-D range of a parameter-shaped state, shaped like the local piece."""
-    return flat.reshape(slot.local.shape)
-
-
 def unit_state_shards(
     handle: Any, unit_slots: list[ParamSlot], optim: torch.optim.Optimizer
 ) -> list[tuple[str, torch.Tensor, list[ParamSlot]]]:
@@ -203,6 +198,7 @@ def unit_state_shards(
                 start = handle.layout.params[slot.index].offset
             else:
                 start = handle.pieces[slot.index].shard_start
-            local[start : start + value.numel()] = value.detach().reshape(-1)
+            flat = local_part(value).detach().reshape(-1)
+            local[start : start + flat.numel()] = flat
         result.append((name, local, holders))
     return result

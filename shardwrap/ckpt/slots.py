@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..assemble.root import root_of
 from ..comm import collectives
@@ -25,6 +26,30 @@ from ..comm.collectives import Communicator
 from ..core.tensor_parallel import TPSpec
 from ..flat_param import FlatParamHandle
 from ..layout.blocks import block_runs
+
+
+def local_part(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``value``: a ``DTensor``'s local tensor (the FSDP2 door's
+    parameters and their optimizer state are ``Shard(0)`` DTensors whose local tensor is
+    this rank's dim-0 chunk, the slot's elements), any other tensor itself."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def shaped_like(local: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (this rank's elements of ``local``) shaped as ``local`` is: for a
+    ``DTensor``, one with the same mesh, placements and global shape whose local tensor
+    ``flat`` is (no communication), as the optimizer state of a DTensor parameter is."""
+    if not isinstance(local, DTensor):
+        return flat.reshape(local.shape)
+    piece = flat.reshape(local.to_local().shape)
+    return DTensor.from_local(
+        piece,
+        local.device_mesh,
+        local.placements,
+        run_check=False,
+        shape=local.shape,
+        stride=local.stride(),
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,7 +86,7 @@ class ParamSlot:
     def saved_pieces(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor, int]]:
         """``value`` (shaped like ``local``) as the checkpoint's pieces: ``(key suffix, 1-D
         piece, global start)``; a TP block's are its runs, keyed ``@<global start>``."""
-        flat = value.detach().reshape(-1)
+        flat = local_part(value).detach().reshape(-1)
         if self.tp is None:
             return [("", flat, self.start)]
         return [(f"@{g}", flat[lo:hi], g) for lo, hi, g in self.global_runs()]
@@ -86,7 +111,7 @@ class ParamSlot:
 
     def local_flat(self) -> torch.Tensor:
         """``local`` as a 1-D view of its ``end - start`` elements."""
-        return self.local.detach().reshape(-1)
+        return local_part(self.local).detach().reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -127,7 +152,7 @@ def model_slots(model: nn.Module) -> ModelSlots:
     world_comm = world_communicator(model)
     slots: list[ParamSlot] = []
     by_param: dict[int, ParamSlot] = {}
-    handles = [u.handle for u in model.units if u.handle is not None]
+    handles = [u.handle for u in root.units if u.handle is not None]
     lead = _tp_lead(handles)
     # The first data-parallel rank of its stage, and of its tensor-parallel replicas.
     leads = lead and root.runtime.world_comm.rank == 0
@@ -137,7 +162,7 @@ def model_slots(model: nn.Module) -> ModelSlots:
             by_param[id(slot.local)] = slot
             by_param[id(slot.handle.full_params[slot.index])] = slot
     aliases: dict[str, str] = {}
-    for name, param in model.module.named_parameters(remove_duplicate=False):
+    for name, param in root.module.named_parameters(remove_duplicate=False):
         slot = by_param.get(id(param))
         if slot is None:
             slot = _plain_slot(name, param, leads)
@@ -147,7 +172,7 @@ def model_slots(model: nn.Module) -> ModelSlots:
             aliases[name] = slot.fqn
     buffers = {
         name: value
-        for name, value in model.module.state_dict(keep_vars=True).items()
+        for name, value in root.module.state_dict(keep_vars=True).items()
         if id(value) not in by_param
     }
     return ModelSlots(slots, by_param, aliases, buffers, world_comm, leads)
