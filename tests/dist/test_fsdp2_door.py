@@ -37,6 +37,10 @@ LISTS = fc.Script(mlp_as_list=True)
 # Negative control (run once): set_gradient_divide_factor a no-op fails it (grad norm).
 SUMMED = fc.Script(sum_gradients=True)
 # Mixed precision, each call's policy: (param_dtype, reduce_dtype, output_dtype, cast_inputs).
+# Negative controls run once (shardwrap's side given an altered policy): reduce_dtype
+# dropped fails BF16_FP32_REDUCE on the grad norm; output_dtype dropped fails FP32_OUTPUT
+# on the loss and BF16_BLOCKS with a dtype-mismatch error; cast_forward_inputs=False fails
+# BF16_BLOCKS (layer_norm: mixed dtype). The param_dtype control stays in the suite.
 _BF16 = (torch.bfloat16, None, None, True)
 BF16 = fc.Script(mp=_BF16, root_mp=_BF16)
 _FP32_REDUCE = (torch.bfloat16, torch.float32, None, True)
