@@ -34,10 +34,16 @@ HYBRIDS = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 
 def _matrix_worker(
-    rank: int, world_size: int, strategies, hybrid_shard_size: int, grouped_ddp: bool
+    rank: int,
+    world_size: int,
+    strategies,
+    hybrid_shard_size: int,
+    grouped_ddp: bool,
+    names: tuple[str, ...] = tuple(OPTIMIZERS),
 ):
     failures = []
-    for name, make_optimizer in OPTIMIZERS.items():
+    for name in names:
+        make_optimizer = OPTIMIZERS[name]
         groups = shardwrap.hybrid_process_groups(hybrid_shard_size) if grouped_ddp else None
         reference = train(CONFIG, "DDP", make_optimizer, num_steps=NUM_STEPS, ddp_groups=groups)
         for strategy in strategies:
@@ -66,8 +72,12 @@ def test_every_strategy_and_optimizer_equals_ddp_bit_for_bit() -> None:
 def test_hybrids_on_two_by_two_ranks_equal_ddp_summing_in_their_order() -> None:
     """Negative control (run once, 2026-12-03): DDP's own all-reduce as the reference fails
     it (the hybrid sums in another order), so the hook is what makes the runs agree."""
-    failures = run_ranks(_matrix_worker, 4, HYBRIDS, 2, True)
-    assert not failures[0], "\n".join(failures[0])
+    # Half the optimizers per call: 4 ranks on 2 cores under ATEN's default kernels took
+    # past the harness's 120 s per call with all of them at once.
+    names = tuple(OPTIMIZERS)
+    for part in (names[: len(names) // 2], names[len(names) // 2 :]):
+        failures = run_ranks(_matrix_worker, 4, HYBRIDS, 2, True, part)
+        assert not failures[0], "\n".join(failures[0])
 
 
 def _kept_copy_worker(rank: int, world_size: int) -> list[str]:
