@@ -12,6 +12,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
+    "fsdp2_reduces_in_param_dtype_by_default",
     "preserve_version_counter",
     "queue_backward_callback",
     "storage_use_count",
@@ -19,6 +20,13 @@ __all__ = [
     "tree_map",
     "tree_unflatten",
 ]
+
+
+def fsdp2_reduces_in_param_dtype_by_default() -> bool:
+    """Whether this torch's FSDP2 reduces gradients in ``MixedPrecisionPolicy.param_dtype``
+    when ``reduce_dtype`` is None (before 2.15), rather than in the parameter's own dtype
+    (2.15 on: the policy's docs, "versionchanged:: 2.15")."""
+    return torch.torch_version.TorchVersion(torch.__version__) < (2, 15)
 
 
 def preserve_version_counter(tensor: torch.Tensor) -> Any:

@@ -14,6 +14,7 @@ every other unit, so each unit's setting is decided again whenever the root chan
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
@@ -55,6 +56,9 @@ def fully_shard(
     ``Shard(0)`` on ``mesh`` ([Note: DTensor shard views]). What this release does not
     support is refused by name (``docs/migrating-from-fsdp2.md``).
     """
+    members = list(module) if isinstance(module, (list, tuple)) else [module]
+    for member in members:
+        _check_module(member)
     options = parse_options(
         reshard_after_forward=reshard_after_forward,
         shard_placement_fn=shard_placement_fn,
@@ -62,10 +66,8 @@ def fully_shard(
         offload_policy=offload_policy,
         ignored_params=ignored_params,
         dp_mesh_dims=dp_mesh_dims,
+        master_dtype=_master_dtype(members),
     )
-    members = list(module) if isinstance(module, (list, tuple)) else [module]
-    for member in members:
-        _check_module(member)
     # The unit's module: the one given, or a container of the list (outside the tree).
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
     device = next((p.device for p in target.parameters()), None)
@@ -106,6 +108,13 @@ def _wrap_options(mesh, options: UnitOptions) -> WrapOptions:
         layout=ShardLayout.DIM0_CHUNKS,
         fsdp1_units=False,
     )
+
+
+def _master_dtype(members: list[nn.Module]):
+    """The dtype the call's floating parameters keep (torch >= 2.15's FSDP2 reduces in it
+    when ``reduce_dtype`` is None); float32 when there is none."""
+    floating = (p.dtype for m in members for p in m.parameters() if p.is_floating_point())
+    return next(floating, torch.float32)
 
 
 def _check_module(module: object) -> None:

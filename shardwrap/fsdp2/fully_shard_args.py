@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from ..base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
 from ..base.validate import check_bool
 from ..options import MixedPrecision
 
@@ -58,6 +59,7 @@ def parse_options(
     offload_policy: object,
     ignored_params: object,
     dp_mesh_dims: object,
+    master_dtype: torch.dtype = torch.float32,
 ) -> UnitOptions:
     """Check ``fully_shard``'s keyword arguments (errors name the argument)."""
     if reshard_after_forward is not None:
@@ -71,7 +73,7 @@ def parse_options(
         raise ValueError(
             f"shard_placement_fn {NOT_YET}: parameters are sharded on dim 0 (Shard(0)); pass None"
         )
-    mixed_precision, output_dtype = _parse_mp_policy(mp_policy)
+    mixed_precision, output_dtype = _parse_mp_policy(mp_policy, master_dtype)
     _check_offload_policy(offload_policy)
     if ignored_params:
         raise ValueError(
@@ -87,7 +89,9 @@ def parse_options(
     )
 
 
-def _parse_mp_policy(mp_policy: object) -> tuple[MixedPrecision | None, torch.dtype | None]:
+def _parse_mp_policy(
+    mp_policy: object, master_dtype: torch.dtype
+) -> tuple[MixedPrecision | None, torch.dtype | None]:
     """``mp_policy`` as the engine's ``MixedPrecision`` and the output dtype ([Note:
     FSDP2's mixed precision on the engine])."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -101,7 +105,10 @@ def _parse_mp_policy(mp_policy: object) -> tuple[MixedPrecision | None, torch.dt
         raise ValueError(f"mp_policy.output_dtype: expected a floating dtype, got {output_dtype!r}")
     if mp_policy.reduce_dtype is None and mp_policy.param_dtype is None:
         return None, output_dtype  # no casts (FSDP2 casts inputs only to a param_dtype)
-    if (mp_policy.reduce_dtype or mp_policy.param_dtype) == torch.float16:
+    reduce_dtype = mp_policy.reduce_dtype
+    if reduce_dtype is None and not fsdp2_reduces_in_param_dtype_by_default():
+        reduce_dtype = master_dtype  # torch >= 2.15: the parameters' own dtype
+    if (reduce_dtype or mp_policy.param_dtype) == torch.float16:
         raise ValueError(
             f"mp_policy={mp_policy}: a gradient reduction in torch.float16 {NOT_YET} "
             "(FSDP2 divides fp16 gradients before and after the reduce-scatter); "
@@ -110,7 +117,7 @@ def _parse_mp_policy(mp_policy: object) -> tuple[MixedPrecision | None, torch.dt
     try:
         policy = MixedPrecision(
             param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
+            reduce_dtype=reduce_dtype,
             cast_forward_inputs=mp_policy.cast_forward_inputs,
             cast_root_forward_inputs=mp_policy.cast_forward_inputs,
             module_classes_to_ignore=(),

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 import shardwrap
+from shardwrap.base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
 from shardwrap.core.grads import checked_divide_factor
 from shardwrap.fsdp2.fully_shard_args import parse_options
 from shardwrap.fsdp2.module import FSDPModule, _check_local_accumulation, as_fsdp_module
@@ -40,8 +41,12 @@ def test_defaults_pass():
 def test_mixed_precision_policies_become_the_engines_record():
     """Negative control of the fp16 refusals: fp16 compute reducing in fp32 passes."""
     bf16 = parse_options(**{**DEFAULTS, "mp_policy": MixedPrecisionPolicy(torch.bfloat16)})
+    # reduce_dtype None: torch < 2.15's FSDP2 reduces in param_dtype, 2.15's in the
+    # parameters' own dtype (float32 here).
+    default_reduce = None if fsdp2_reduces_in_param_dtype_by_default() else torch.float32
     assert bf16.mixed_precision == MixedPrecision(
         param_dtype=torch.bfloat16,
+        reduce_dtype=default_reduce,
         cast_forward_inputs=True,
         cast_root_forward_inputs=True,
         module_classes_to_ignore=(),
@@ -77,7 +82,7 @@ def test_unsynced_accumulation_in_another_dtype_than_fsdp2s_is_refused():
         ("reshard_after_forward", 2, ValueError),
         ("reshard_after_forward", "yes", TypeError),
         ("shard_placement_fn", lambda p: None, ValueError),
-        ("mp_policy", MixedPrecisionPolicy(param_dtype=torch.float16), ValueError),
+        ("mp_policy", MixedPrecisionPolicy(torch.float16, torch.float16), ValueError),
         (
             "mp_policy",
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16),
@@ -149,3 +154,14 @@ def test_a_gradient_divide_factor_must_be_a_positive_finite_number(factor, error
     with pytest.raises(error, match="factor"):
         checked_divide_factor(factor)
     assert checked_divide_factor(2) == 2.0 and checked_divide_factor(1.0) == 1.0
+
+
+def test_an_fp16_policy_without_reduce_dtype_follows_the_torch_release():
+    """torch < 2.15 reduces it in fp16 (refused here); 2.15 in the parameters' float32."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16)
+    if fsdp2_reduces_in_param_dtype_by_default():
+        with pytest.raises(ValueError, match="float16"):
+            parse_options(**{**DEFAULTS, "mp_policy": policy})
+    else:
+        parsed = parse_options(**{**DEFAULTS, "mp_policy": policy})
+        assert parsed.mixed_precision.reduce_dtype == torch.float32
