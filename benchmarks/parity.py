@@ -104,10 +104,6 @@ def train(
     return Run(losses, state)
 
 
-# torch.testing.assert_close's defaults for float32.
-FLOAT32_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
-
-
 def train_losses(model, optimizer, config, num_steps: int, batch_size: int) -> list[float]:
     """``num_steps`` steps of ``model`` on this rank's batches; each step's loss, averaged
     over the ranks."""

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from .slots import ModelSlots, ParamSlot, local_part
+from ..core.tensor_parallel import local_tensor
+from .slots import ModelSlots, ParamSlot
 
 SHARDED, SCALAR, VALUE = "sharded", "scalar", "value"
 
@@ -198,7 +199,7 @@ def unit_state_shards(
                 start = handle.layout.params[slot.index].offset
             else:
                 start = handle.pieces[slot.index].shard_start
-            flat = local_part(value).detach().reshape(-1)
+            flat = local_tensor(value).detach().reshape(-1)
             local[start : start + flat.numel()] = flat
         result.append((name, local, holders))
     return result

@@ -23,16 +23,9 @@ from torch.distributed.tensor import DTensor
 from ..assemble.root import root_of
 from ..comm import collectives
 from ..comm.collectives import Communicator
-from ..core.tensor_parallel import TPSpec
+from ..core.tensor_parallel import TPSpec, local_tensor
 from ..flat_param import FlatParamHandle
 from ..layout.blocks import block_runs
-
-
-def local_part(value: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``value``: a ``DTensor``'s local tensor (the FSDP2 door's
-    parameters and their optimizer state are ``Shard(0)`` DTensors whose local tensor is
-    this rank's dim-0 chunk, the slot's elements), any other tensor itself."""
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def shaped_like(local: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -86,7 +79,7 @@ class ParamSlot:
     def saved_pieces(self, value: torch.Tensor) -> list[tuple[str, torch.Tensor, int]]:
         """``value`` (shaped like ``local``) as the checkpoint's pieces: ``(key suffix, 1-D
         piece, global start)``; a TP block's are its runs, keyed ``@<global start>``."""
-        flat = local_part(value).detach().reshape(-1)
+        flat = local_tensor(value).detach().reshape(-1)
         if self.tp is None:
             return [("", flat, self.start)]
         return [(f"@{g}", flat[lo:hi], g) for lo, hi, g in self.global_runs()]
@@ -111,7 +104,7 @@ class ParamSlot:
 
     def local_flat(self) -> torch.Tensor:
         """``local`` as a 1-D view of its ``end - start`` elements."""
-        return local_part(self.local).detach().reshape(-1)
+        return local_tensor(self.local).detach().reshape(-1)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ Refused: a reduction in float16. FSDP2 divides fp16 gradients by about sqrt(worl
 before the reduce-scatter and by the rest after it, in fp16
 (``_get_gradient_divide_factors``: overflow risk); the engine sums in the reduce dtype and
 divides once in the master dtype, which rounds differently where a sum overflows or
-leaves fp16's normal range. In fp32 and bf16 FSDP2 divides once, by the world size, as
-the engine does (exact at 2 ranks).
+leaves fp16's normal range. In fp32 and bf16 FSDP2 divides once, by the world size, in
+the reduce dtype (AVG); the engine divides once too, but after the cast to the master
+dtype, which is the same at 2 ranks (a division by 2 is exact) and may differ by a bf16
+rounding at other world sizes.
 """
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ def _matrix_worker(
     names: tuple[str, ...] = tuple(OPTIMIZERS),
 ):
     failures = []
+    groups = shardwrap.hybrid_process_groups(hybrid_shard_size) if grouped_ddp else None
     for name in names:
         make_optimizer = OPTIMIZERS[name]
-        groups = shardwrap.hybrid_process_groups(hybrid_shard_size) if grouped_ddp else None
         reference = train(CONFIG, "DDP", make_optimizer, num_steps=NUM_STEPS, ddp_groups=groups)
         for strategy in strategies:
             run = train(
