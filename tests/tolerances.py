@@ -30,6 +30,19 @@ and v (sum_s w_s**2/z_s <= 1.02 there). Weight decay multiplies both runs' param
 the same factor and only shrinks their difference; the feedback of a parameter difference
 into later gradients is second order in these sizes and steps. Hence
 :func:`reordered_param_atol`.
+
+SGD with momentum m (dampening 0) does not normalise: after T steps a parameter is
+p_0 - lr * sum_{t<=T} sum_{s<=t} m**(t-s) * g_s, so gradients apart by d move it apart by at
+most lr * d * sum_{t<=T} (1 + m + ... + m**(t-1)). Coupled weight decay wd adds wd * p to
+each gradient, feeding a parameter difference B back as lr * wd * B times the same weight,
+hence the factor 1 / (1 - lr * wd * weight) of :func:`reordered_sgd_param_atol`.
+
+A loss compared after the parameters drifted by at most B per element differs, to first
+order, by at most |grad L|_1 * B (the gradient's sum of magnitudes), on top of its own
+rounding: :func:`reordered_loss_atol`.
+
+:func:`reordered_relative` gives the relative bound for other depths and sum lengths (the
+parity tests' TinyGPT: tests/dist/parity.py); the functions below take it as ``relative``.
 """
 
 from __future__ import annotations
@@ -48,8 +61,16 @@ CHAIN_DEPTH = 80
 # (0.2 to 0.3 over their steps: a property of the model and the data, the same on every
 # CPU; tests/unit/test_tolerances.py checks it).
 GRAD_SCALE = 0.5
+
+
+def reordered_relative(sum_terms: int, chain_depth: int) -> float:
+    """Two orders of one float32 value ``chain_depth`` sums deep, each of at most
+    ``sum_terms`` terms, differ by this much relative to its terms' scale."""
+    return 2.0 * math.sqrt(chain_depth * sum_terms) * FP32_UNIT_ROUNDOFF
+
+
 # 2 * sqrt(80 * 64) * 2**-24 = 8.5e-6: two orders of one chained float32 value, relative.
-REORDERED_RELATIVE = 2.0 * math.sqrt(CHAIN_DEPTH * SUM_TERMS) * FP32_UNIT_ROUNDOFF
+REORDERED_RELATIVE = reordered_relative(SUM_TERMS, CHAIN_DEPTH)
 
 # AdamW for runs compared with a reordered reference. eps = 1e-3 caps the amplification at
 # lr/eps = 10, and the updates stay Adam's where gradients are above 1e-3 (most elements
@@ -59,6 +80,9 @@ ADAMW_EPS = 1e-3
 REORDER_SAFE_ADAMW = {"lr": 0.01, "eps": ADAMW_EPS}
 ADAMW_LIPSCHITZ = 3.3  # sum over s of |d u_t / d g_s| in units of lr/eps, t <= 5
 ADAMW_MAX_STEPS = 5  # the steps ADAMW_LIPSCHITZ holds for
+# The steps over which a parameter difference's feedback into later gradients stays second
+# order for SGD at the tests' learning rates (tests/unit/test_tolerances.py checks it).
+SGD_MAX_STEPS = 5
 
 # Losses and gradient norms are forward values: one chained value, relative.
 REORDERED_VALUE_TOL = {"rtol": REORDERED_RELATIVE, "atol": 0.0}
@@ -67,17 +91,82 @@ REORDERED_VALUE_TOL = {"rtol": REORDERED_RELATIVE, "atol": 0.0}
 REORDERED_GRAD_TOL = {"rtol": 0.0, "atol": REORDERED_RELATIVE * GRAD_SCALE}
 
 
-def reordered_param_atol(num_steps: int, lr: float = 0.01, eps: float = ADAMW_EPS) -> float:
+def reordered_param_atol(
+    num_steps: int,
+    lr: float = 0.01,
+    eps: float = ADAMW_EPS,
+    relative: float = REORDERED_RELATIVE,
+    grad_scale: float = GRAD_SCALE,
+) -> float:
     """Bound on how far one parameter element of two AdamW runs (``lr``, ``eps``) drifts
     apart in ``num_steps`` steps when their gradients differ by rounding only:
-    ``num_steps * ADAMW_LIPSCHITZ * lr/eps * REORDERED_RELATIVE * GRAD_SCALE``."""
+    ``num_steps * ADAMW_LIPSCHITZ * lr/eps * relative * grad_scale``."""
     if not 0 < num_steps <= ADAMW_MAX_STEPS:
         raise ValueError(f"num_steps must be in 1..{ADAMW_MAX_STEPS}, got {num_steps}")
-    per_step = ADAMW_LIPSCHITZ * lr / eps * REORDERED_RELATIVE * GRAD_SCALE
+    per_step = ADAMW_LIPSCHITZ * lr / eps * relative * grad_scale
     return num_steps * per_step
+
+
+def reordered_sgd_param_atol(
+    num_steps: int,
+    lr: float,
+    momentum: float,
+    weight_decay: float = 0.0,
+    relative: float = REORDERED_RELATIVE,
+    grad_scale: float = GRAD_SCALE,
+) -> float:
+    """Bound on how far one parameter element of two SGD runs (``lr``, ``momentum``,
+    coupled ``weight_decay``, dampening 0) drifts apart in ``num_steps`` steps when their
+    gradients differ by rounding only (see the module docstring)."""
+    if not 0 < num_steps <= SGD_MAX_STEPS:
+        raise ValueError(f"num_steps must be in 1..{SGD_MAX_STEPS}, got {num_steps}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    weight = sum(sum(momentum**k for k in range(t)) for t in range(1, num_steps + 1))
+    feedback = lr * weight_decay * weight
+    if feedback >= 1.0:
+        raise ValueError(f"lr * weight_decay * {weight:.2f} = {feedback:.2f}: no bound")
+    return lr * weight * relative * grad_scale / (1.0 - feedback)
+
+
+def reordered_loss_atol(
+    loss: float, grad_l1: float, param_atol: float, relative: float = REORDERED_RELATIVE
+) -> float:
+    """Bound on how far two runs' ``loss`` values differ when their parameters are at most
+    ``param_atol`` apart per element and ``grad_l1`` is the sum of the gradient's
+    magnitudes: ``grad_l1 * param_atol`` to first order, plus the loss's own rounding."""
+    return relative * abs(loss) + grad_l1 * param_atol
+
+
+def reordered_norm_atol(
+    norm_type: float,
+    numel: int,
+    norm: float,
+    relative: float = REORDERED_RELATIVE,
+    grad_scale: float = GRAD_SCALE,
+) -> float:
+    """Bound on how far two runs' ``norm_type``-norms of a gradient of ``numel`` elements
+    (about ``norm``) differ when each element is off by rounding only.
+
+    To first order the norm moves by sum_i w_i * d_i, w_i = (|g_i| / norm)**(p-1) sign g_i,
+    the d_i independent and each within ``relative * grad_scale``: about |w|_2 times that,
+    and |w|_2 <= 1 for p >= 2 and p = inf (sqrt(numel) for p = 1). The norm's own sum of
+    ``numel`` terms adds 2 * sqrt(numel) * u of it (the module docstring's rounding)."""
+    spread = math.sqrt(numel) if norm_type == 1 else 1.0
+    if norm_type < 2 and norm_type != 1:
+        raise ValueError(f"norm_type must be 1, >= 2 or inf, got {norm_type}")
+    own = 0.0 if math.isinf(norm_type) else 2.0 * math.sqrt(numel) * FP32_UNIT_ROUNDOFF * norm
+    return spread * relative * grad_scale + own
+
+
+def step_rounding_rtol(num_steps: int) -> float:
+    """Each step rounds ``p - update`` to a float: two runs whose updates differ by any
+    amount may land on neighbouring floats, one ulp (at most 2u of |p|) apart per step, on
+    top of the updates' own difference (the ``atol`` bounds above)."""
+    return num_steps * 2.0 * FP32_UNIT_ROUNDOFF
 
 
 def reordered_param_tol(num_steps: int) -> dict[str, float]:
     """``assert_close`` keywords for parameters after ``num_steps`` steps of
     :data:`REORDER_SAFE_ADAMW` against a reordered reference (about 1.4e-4 per step)."""
-    return {"rtol": 0.0, "atol": reordered_param_atol(num_steps)}
+    return {"rtol": step_rounding_rtol(num_steps), "atol": reordered_param_atol(num_steps)}

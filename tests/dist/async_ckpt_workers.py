@@ -73,7 +73,8 @@ def train_while_saving(
         handle = save_checkpoint(first, sharded, optim, extra={"step": 2}, asynchronous=True)
         pointers = _pointers(sharded)
         running = not handle.done()
-        train_steps(sharded, optim, reference, ref_optim, world_size, rank, STEPS_PER_PHASE)
+        steps = STEPS_PER_PHASE  # the reference goes on with the run: apart by these steps
+        train_steps(sharded, optim, reference, ref_optim, world_size, rank, steps, steps)
         at_second = local_pieces(sharded, optim)
         threading.Timer(GATE_SECONDS, gate.set).start()
         started = time.perf_counter()

@@ -82,7 +82,7 @@ def _prepare(mode: str, strategy: str):
 
 def _train(rank: int, world_size: int, strategy: str, mode: str) -> int:
     sharded, reference = _prepare(mode, strategy)
-    kind = "reorder_safe_adamw"  # a reordered reference: the bound of tests/tolerances.py
+    kind = "adamw"  # reorder-safe: the bound of tests/tolerances.py
     optim, ref_optim = make_optimizer(sharded, kind), make_optimizer(reference, kind)
     gathers = []
     for step in range(NUM_STEPS):

@@ -13,7 +13,15 @@ import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
 from tests import models
 from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
-from tests.dist.parity import Case, batch_for, check_shards, loss_for, make_optimizer, wrap_case
+from tests.dist.parity import (
+    Case,
+    batch_for,
+    check_shards,
+    loss_for,
+    make_optimizer,
+    reordered_tol,
+    wrap_case,
+)
 
 DEPTH, HIDDEN = 8, 64  # eight Linear units of <= 64*64+64 parameters each
 
@@ -87,7 +95,8 @@ def _deferred_run(rank: int, world_size: int, strategy: str) -> dict:
         models.mlp_loss(sharded, batches[rank]).backward()
         optim.step()
         optim.zero_grad()
-        check_shards(sharded, reference, exact=False)
+        # plain SGD at lr 0.1: parity's bound (with momentum and weight decay) holds a fortiori
+        check_shards(sharded, reference, exact=False, tol=reordered_tol("sgd", step + 1, lr=0.1))
     largest_unit = (
         max(
             sum(p.numel() for p in m.parameters())
@@ -123,7 +132,7 @@ def _sync_eager(rank: int, world_size: int, strategy: str) -> None:
     ref_optim.step()
     loss_for("gpt", sharded, batches[rank], 0).backward()
     optim.step()
-    check_shards(sharded, reference, exact=False)
+    check_shards(sharded, reference, exact=False, tol=reordered_tol("adamw", 1))
 
 
 def _sync_meta_default_init(rank: int, strategy: str) -> dict[str, list[float]]:

@@ -15,6 +15,7 @@ from tests.dist.parity import (
     concat,
     loss_for,
     make_optimizer,
+    reordered_tol,
     wrap_case,
 )
 from tests.models import gpt_batch
@@ -49,7 +50,7 @@ def _unequal_batches(rank: int, world_size: int, strategy: str, weighted: bool) 
         loss.backward()
         optim.step()
         optim.zero_grad()
-        check_shards(sharded, reference, exact=False)
+        check_shards(sharded, reference, exact=False, tol=reordered_tol("sgd", step + 1))
 
 
 def _backward_twice(rank: int, world_size: int, strategy: str) -> None:
@@ -63,7 +64,7 @@ def _backward_twice(rank: int, world_size: int, strategy: str) -> None:
     loss.backward()
     optim.step()
     ref_optim.step()
-    check_shards(sharded, reference, exact=False)
+    check_shards(sharded, reference, exact=False, tol=reordered_tol("sgd", 1, grad_multiple=2.0))
 
 
 def _step_before_backward(rank: int, world_size: int, strategy: str) -> None:
@@ -79,7 +80,7 @@ def _step_before_backward(rank: int, world_size: int, strategy: str) -> None:
     loss_for("gpt", sharded, batches[rank], 0).backward()
     optim.step()
     ref_optim.step()
-    check_shards(sharded, reference, exact=False)
+    check_shards(sharded, reference, exact=False, tol=reordered_tol("sgd", 1))
 
 
 def _optimizer_before_wrapping(strategy: str) -> str:

@@ -79,7 +79,7 @@ def _no_sync_then_step_worker(rank: int, world_size: int, finish_in_sync: bool) 
     model = build_model("gpt")
     reference = copy.deepcopy(model)
     sharded = wrap_case(model, Case(strategy="SHARD_OPTIM"))
-    kind = "reorder_safe_adamw"  # a reordered reference: the bound of tests/tolerances.py
+    kind = "adamw"  # reorder-safe: the bound of tests/tolerances.py
     optim, ref_optim = make_optimizer(sharded, kind), make_optimizer(reference, kind)
     num_micro = 3
     step_scatters = 0

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests import tolerances
+from tests.dist import parity
 from tests.dist import pipeline_cases as pc
 from tests.dist import threed_cases as tc
 from tests.dist import threed_hf_cases as hc
@@ -64,6 +65,45 @@ def test_reordered_training_stays_within_the_bound_that_still_sees_every_tensor(
         torch.testing.assert_close(halves[key], value, rtol=0.0, atol=bound, msg=key)
         moved = float((value - initial[key]).abs().max())
         assert moved > POWER * bound, (key, moved, bound)
+
+
+PARITY_RUNS = [(model, optimizer) for model in ("gpt", "mlp") for optimizer in ("adamw", "sgd")]
+PARITY_STEPS = 3  # tests/dist/parity.Case's default
+
+
+@pytest.mark.parametrize("model,optimizer", PARITY_RUNS)
+def test_parity_models_stay_within_their_bound_and_under_the_gradient_scale(model, optimizer):
+    """tests/dist/parity's models and optimizers: whole batch against halves accumulated
+    (two ranks' order), within ``parity.reordered_tol``,
+    gradients under ``parity.PARITY_GRAD_SCALE``,
+    and every trainable tensor moved by more than ``POWER`` bounds."""
+    tol = parity.reordered_tol(optimizer, PARITY_STEPS, parity.batch_terms(model, 2))
+    runs = []
+    for parts in (1, 2):
+        net = parity.build_model(model)
+        optim = parity.make_optimizer(net, optimizer)
+        largest = 0.0
+        for step in range(PARITY_STEPS):
+            batch = parity.concat([parity.batch_for(model, 1000 * step + r) for r in range(2)])
+            for piece in zip(*(t.chunk(parts) for t in batch), strict=True):
+                (parity.loss_for(model, net, piece, step) / parts).backward()
+            largest = max(
+                largest,
+                max(float(p.grad.abs().max()) for p in net.parameters() if p.grad is not None),
+            )
+            optim.step()
+            optim.zero_grad()
+        runs.append((net, largest))
+    (whole, largest), (halves, _) = runs
+    assert largest < parity.PARITY_GRAD_SCALE
+    initial = dict(parity.build_model(model).named_parameters())
+    for (name, value), (_, other) in zip(
+        whole.named_parameters(), halves.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(other, value, msg=name, **tol)
+        if value.requires_grad:
+            moved = float((value.detach() - initial[name].detach()).abs().max())
+            assert moved > POWER * tol["atol"], (name, moved, tol["atol"])
 
 
 def test_the_bound_needs_few_steps():
