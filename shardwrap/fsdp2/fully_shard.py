@@ -26,7 +26,7 @@ from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import ShardingStrategy
 from .dtensor_views import install_dtensor_views
-from .fully_shard_args import NOT_YET, UnitOptions, parse_options
+from .fully_shard_args import NOT_YET, UnitOptions, check_offload_mesh, parse_options
 from .group_hooks import register_group_hooks
 from .module import as_fsdp_module
 from .state import DoorUnit, set_state, state_of
@@ -72,6 +72,7 @@ def fully_shard(
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
     device = next((p.device for p in target.parameters()), None)
     mesh = data_parallel_mesh(mesh, device.type if device is not None else "cpu")
+    check_offload_mesh(options, mesh.device_type)
     # Alive until build_root adopts their units (the registry holds roots weakly).
     nested_roots = _release_nested(target)
     # The holder is the module users hold; a list's is its first member (in the tree,
@@ -100,10 +101,12 @@ def fully_shard(
 
 def _wrap_options(mesh, options: UnitOptions) -> WrapOptions:
     """The door's ``WrapOptions``: ZeRO-3 on ``mesh``'s group, FSDP2's dim-0 chunks, the
-    call's mixed precision ([Note: FSDP2's mixed precision on the engine])."""
+    call's mixed precision and CPU offload ([Note: FSDP2's mixed precision on the engine],
+    [Note: FSDP2's CPU offload on the engine])."""
     return WrapOptions(
         sharding_strategy=STRATEGY,
         mixed_precision=options.mixed_precision,
+        cpu_offload=options.cpu_offload,
         device_mesh=mesh,
         layout=ShardLayout.DIM0_CHUNKS,
         fsdp1_units=False,

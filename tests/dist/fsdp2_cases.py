@@ -104,14 +104,22 @@ class Script:
     # cast_forward_inputs), and the root call's; None: the default policy.
     mp: tuple | None = None
     root_mp: tuple | None = None
+    # The blocks' calls' offload policy and the root call's: "cpu" is
+    # CPUOffloadPolicy(pin_memory=False), None OffloadPolicy() (the default).
+    offload: str | None = None
+    root_offload: str | None = None
 
 
 def mp_policies(script: Script) -> tuple[dict, dict]:
     """``fully_shard``'s keywords for the blocks' calls and for the root's."""
-    return tuple(
-        {} if fields is None else {"mp_policy": torch_fsdp.MixedPrecisionPolicy(*fields)}
-        for fields in (script.mp, script.root_mp)
-    )
+    calls = ((script.mp, script.offload), (script.root_mp, script.root_offload))
+    keywords = []
+    for fields, offload in calls:
+        kw = {} if fields is None else {"mp_policy": torch_fsdp.MixedPrecisionPolicy(*fields)}
+        if offload == "cpu":
+            kw["offload_policy"] = torch_fsdp.CPUOffloadPolicy(pin_memory=False)
+        keywords.append(kw)
+    return tuple(keywords)
 
 
 def run_script(
