@@ -35,6 +35,14 @@ the engine's ``CPUOffload(offload_params=True, pin_memory=...)`` for that call's
 ([Note: host shards and staging] in ``offload/host.py``); pin_memory=True without CUDA is
 refused naming it. The engine computes on the parameters' device, which FSDP2 requires
 to be the CPU under offload, so only a CPU mesh is accepted (``check_offload_mesh``).
+
+[Note: FSDP2's ignored_params]
+FSDP2 leaves a call's ``ignored_params`` as they are: plain parameters (no DTensors), not
+sharded, not moved to the mesh's device, their gradients not reduced (each rank keeps its
+own; ``_get_managed_states`` skips them). A later call on an ancestor does not take them
+either: its search stops at modules a call already sharded. The engine leaves out
+parameters by identity (``WrapOptions.ignored_params``), so the door passes each call's
+set, and the parameters a nested call left out (``fully_shard._left_out_below``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from ..base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
@@ -65,6 +74,8 @@ class UnitOptions:
     # The engine's record of offload_policy ([Note: FSDP2's CPU offload on the engine]);
     # None: OffloadPolicy() (no offload).
     cpu_offload: CPUOffload | None = None
+    # Parameters the call leaves unsharded and unmanaged ([Note: FSDP2's ignored_params]).
+    ignored_params: frozenset[nn.Parameter] = frozenset()
 
 
 def parse_options(
@@ -91,11 +102,7 @@ def parse_options(
         )
     mixed_precision, output_dtype = _parse_mp_policy(mp_policy, master_dtype)
     cpu_offload = _parse_offload_policy(offload_policy)
-    if ignored_params:
-        raise ValueError(
-            f"ignored_params {NOT_YET}; move those parameters to a module outside the "
-            "fully_shard call, or pass None"
-        )
+    ignored = _parse_ignored_params(ignored_params)
     if dp_mesh_dims is not None:
         raise ValueError(f"dp_mesh_dims {NOT_YET}; pass a 1-D mesh as mesh=")
     return UnitOptions(
@@ -103,6 +110,7 @@ def parse_options(
         mixed_precision=mixed_precision,
         output_dtype=output_dtype,
         cpu_offload=cpu_offload,
+        ignored_params=ignored,
     )
 
 
@@ -161,6 +169,19 @@ def _parse_offload_policy(offload_policy: object) -> CPUOffload | None:
             "the shards); pass CPUOffloadPolicy(pin_memory=False)"
         )
     return CPUOffload(offload_params=True, pin_memory=pin_memory)
+
+
+def _parse_ignored_params(ignored_params: object) -> frozenset[nn.Parameter]:
+    """``ignored_params`` (None or a set of parameters) as a frozenset."""
+    if ignored_params is None:
+        return frozenset()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
+        isinstance(p, torch.Tensor) for p in ignored_params
+    ):
+        raise TypeError(
+            f"ignored_params: expected None or a set of nn.Parameter, got {ignored_params!r}"
+        )
+    return frozenset(ignored_params)
 
 
 def check_offload_mesh(options: UnitOptions, mesh_device_type: str) -> None:

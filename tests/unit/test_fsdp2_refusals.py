@@ -112,7 +112,8 @@ def test_unsynced_accumulation_in_another_dtype_than_fsdp2s_is_refused():
         ("mp_policy", "bf16", TypeError),
         ("offload_policy", CPUOffloadPolicy(pin_memory="yes"), TypeError),
         ("offload_policy", CPUOffload(offload_params=True), TypeError),
-        ("ignored_params", {nn.Parameter(torch.zeros(1))}, ValueError),
+        ("ignored_params", {"weight"}, TypeError),
+        ("ignored_params", nn.Parameter(torch.zeros(1)), TypeError),
         ("dp_mesh_dims", object(), ValueError),
     ],
 )
