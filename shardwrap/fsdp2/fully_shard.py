@@ -26,7 +26,7 @@ from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import ShardingStrategy
 from .dtensor_views import install_dtensor_views
-from .fully_shard_args import NOT_YET, UnitOptions, parse_options
+from .fully_shard_args import NOT_YET, UnitOptions, check_offload_mesh, parse_options
 from .group_hooks import register_group_hooks
 from .module import as_fsdp_module
 from .state import DoorUnit, set_state, state_of
@@ -72,11 +72,13 @@ def fully_shard(
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
     device = next((p.device for p in target.parameters()), None)
     mesh = data_parallel_mesh(mesh, device.type if device is not None else "cpu")
+    check_offload_mesh(options, mesh.device_type)
+    ignored = options.ignored_params | _left_out_below(target)
     # Alive until build_root adopts their units (the registry holds roots weakly).
     nested_roots = _release_nested(target)
     # The holder is the module users hold; a list's is its first member (in the tree,
     # where an ancestor's call finds it).
-    root = build_root(target, _wrap_options(mesh, options), holder=members[0])
+    root = build_root(target, _wrap_options(mesh, options, ignored), holder=members[0])
     del nested_roots
     unit = root.units[0]
     if unit.handle is not None:
@@ -98,12 +100,15 @@ def fully_shard(
     return module
 
 
-def _wrap_options(mesh, options: UnitOptions) -> WrapOptions:
+def _wrap_options(mesh, options: UnitOptions, ignored: frozenset) -> WrapOptions:
     """The door's ``WrapOptions``: ZeRO-3 on ``mesh``'s group, FSDP2's dim-0 chunks, the
-    call's mixed precision ([Note: FSDP2's mixed precision on the engine])."""
+    call's mixed precision and CPU offload ([Note: FSDP2's mixed precision on the engine],
+    [Note: FSDP2's CPU offload on the engine])."""
     return WrapOptions(
         sharding_strategy=STRATEGY,
         mixed_precision=options.mixed_precision,
+        cpu_offload=options.cpu_offload,
+        ignored_params=ignored,
         device_mesh=mesh,
         layout=ShardLayout.DIM0_CHUNKS,
         fsdp1_units=False,
@@ -134,6 +139,22 @@ def _check_module(module: object) -> None:
         raise ValueError(
             "module: it holds a ShardedModule (the FSDP1 door); use one door for a model"
         )
+
+
+def _left_out_below(module: nn.Module) -> frozenset[nn.Parameter]:
+    """The parameters below ``module`` that earlier calls on its submodules left out of
+    their units (their ``ignored_params``): FSDP2's later calls leave them out too
+    ([Note: FSDP2's ignored_params])."""
+    nested = [state_of(sub) for sub in module.modules() if sub is not module]
+    units = {id(s.unit): s.unit for s in nested if s is not None}.values()
+    managed = {id(p) for unit in units if unit.handle for p in unit.handle.shard_params}
+    return frozenset(
+        param
+        for sub in module.modules()
+        if sub is not module and state_of(sub) is not None
+        for param in sub.parameters()
+        if id(param) not in managed
+    )
 
 
 def _release_nested(module: nn.Module) -> list[ShardRoot]:

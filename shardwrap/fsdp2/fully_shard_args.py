@@ -24,6 +24,25 @@ leaves fp16's normal range. In fp32 and bf16 FSDP2 divides once, by the world si
 the reduce dtype (AVG); the engine divides once too, but after the cast to the master
 dtype, which is the same at 2 ranks (a division by 2 is exact) and may differ by a bf16
 rounding at other world sizes.
+
+[Note: FSDP2's CPU offload on the engine]
+FSDP2's ``CPUOffloadPolicy`` keeps a call's sharded parameters (so the DTensors'
+local tensors, the gradients and the optimizer's state and step) in host memory, copying
+each shard to the mesh's device before the all-gather and each reduced gradient back
+(``FSDPParam``, ``foreach_reduce``); ``pin_memory`` pins those host tensors, which
+without an accelerator fails in torch (``Tensor.pin_memory``). Each call's policy becomes
+the engine's ``CPUOffload(offload_params=True, pin_memory=...)`` for that call's unit
+([Note: host shards and staging] in ``offload/host.py``); pin_memory=True without CUDA is
+refused naming it. The engine computes on the parameters' device, which FSDP2 requires
+to be the CPU under offload, so only a CPU mesh is accepted (``check_offload_mesh``).
+
+[Note: FSDP2's ignored_params]
+FSDP2 leaves a call's ``ignored_params`` as they are: plain parameters (no DTensors), not
+sharded, not moved to the mesh's device, their gradients not reduced (each rank keeps its
+own; ``_get_managed_states`` skips them). A later call on an ancestor does not take them
+either: its search stops at modules a call already sharded. The engine leaves out
+parameters by identity (``WrapOptions.ignored_params``), so the door passes each call's
+set, and the parameters a nested call left out (``fully_shard._left_out_below``).
 """
 
 from __future__ import annotations
@@ -31,11 +50,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from ..base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
 from ..base.validate import check_bool
-from ..options import MixedPrecision
+from ..options import CPUOffload, MixedPrecision
 
 NOT_YET = "is not yet supported by shardwrap.fully_shard"
 
@@ -51,6 +71,11 @@ class UnitOptions:
     # None: the default policy (compute, gather and reduce in the parameters' dtype).
     mixed_precision: MixedPrecision | None = None
     output_dtype: torch.dtype | None = None  # floating outputs cast to it after forward
+    # The engine's record of offload_policy ([Note: FSDP2's CPU offload on the engine]);
+    # None: OffloadPolicy() (no offload).
+    cpu_offload: CPUOffload | None = None
+    # Parameters the call leaves unsharded and unmanaged ([Note: FSDP2's ignored_params]).
+    ignored_params: frozenset[nn.Parameter] = frozenset()
 
 
 def parse_options(
@@ -76,18 +101,16 @@ def parse_options(
             f"shard_placement_fn {NOT_YET}: parameters are sharded on dim 0 (Shard(0)); pass None"
         )
     mixed_precision, output_dtype = _parse_mp_policy(mp_policy, master_dtype)
-    _check_offload_policy(offload_policy)
-    if ignored_params:
-        raise ValueError(
-            f"ignored_params {NOT_YET}; move those parameters to a module outside the "
-            "fully_shard call, or pass None"
-        )
+    cpu_offload = _parse_offload_policy(offload_policy)
+    ignored = _parse_ignored_params(ignored_params)
     if dp_mesh_dims is not None:
         raise ValueError(f"dp_mesh_dims {NOT_YET}; pass a 1-D mesh as mesh=")
     return UnitOptions(
         reshard_after_forward=reshard_after_forward,  # type: ignore[arg-type]
         mixed_precision=mixed_precision,
         output_dtype=output_dtype,
+        cpu_offload=cpu_offload,
+        ignored_params=ignored,
     )
 
 
@@ -129,13 +152,45 @@ def _parse_mp_policy(
     return policy, output_dtype
 
 
-def _check_offload_policy(offload_policy: object) -> None:
+def _parse_offload_policy(offload_policy: object) -> CPUOffload | None:
+    """``offload_policy`` as the engine's ``CPUOffload`` ([Note: FSDP2's CPU offload on
+    the engine]); None: no offload."""
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"offload_policy: expected an OffloadPolicy, got {type(offload_policy).__name__}"
         )
-    if isinstance(offload_policy, CPUOffloadPolicy):
+    if not isinstance(offload_policy, CPUOffloadPolicy):
+        return None
+    pin_memory = check_bool("offload_policy.pin_memory", offload_policy.pin_memory)
+    if pin_memory and not torch.cuda.is_available():
         raise ValueError(
-            f"offload_policy=CPUOffloadPolicy() {NOT_YET}; pass OffloadPolicy(), or use "
-            "shardwrap.ShardedModule(cpu_offload=CPUOffload())"
+            f"offload_policy={offload_policy}: pin_memory=True needs CUDA and "
+            "torch.cuda.is_available() is False (torch's FSDP2 fails there too, pinning "
+            "the shards); pass CPUOffloadPolicy(pin_memory=False)"
+        )
+    return CPUOffload(offload_params=True, pin_memory=pin_memory)
+
+
+def _parse_ignored_params(ignored_params: object) -> frozenset[nn.Parameter]:
+    """``ignored_params`` (None or a set of parameters) as a frozenset."""
+    if ignored_params is None:
+        return frozenset()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
+        isinstance(p, torch.Tensor) for p in ignored_params
+    ):
+        raise TypeError(
+            f"ignored_params: expected None or a set of nn.Parameter, got {ignored_params!r}"
+        )
+    return frozenset(ignored_params)
+
+
+def check_offload_mesh(options: UnitOptions, mesh_device_type: str) -> None:
+    """Refuse CPU offload where the engine would not compute where FSDP2 does: FSDP2
+    gathers a host shard onto its mesh's device, the engine computes on the device the
+    parameters are on, which CPU offload requires to be the CPU."""
+    if options.cpu_offload is not None and mesh_device_type != "cpu":
+        raise ValueError(
+            f"offload_policy=CPUOffloadPolicy() with a {mesh_device_type!r} mesh {NOT_YET} "
+            "(only a CPU mesh); use shardwrap.ShardedModule(cpu_offload="
+            "CPUOffload(offload_params=True)) for host shards with accelerator compute"
         )

@@ -104,14 +104,26 @@ class Script:
     # cast_forward_inputs), and the root call's; None: the default policy.
     mp: tuple | None = None
     root_mp: tuple | None = None
+    # The blocks' calls' offload policy and the root call's: "cpu" is
+    # CPUOffloadPolicy(pin_memory=False), None OffloadPolicy() (the default).
+    offload: str | None = None
+    root_offload: str | None = None
+    # ignored_params: the blocks' calls get block 0's LayerNorm weight (its bias sharded),
+    # the root's call the gate's weight and bias (so the root's call must leave out what a
+    # block's call left out, as FSDP2's does); they stay plain, unreduced parameters.
+    ignored: bool = False
 
 
 def mp_policies(script: Script) -> tuple[dict, dict]:
     """``fully_shard``'s keywords for the blocks' calls and for the root's."""
-    return tuple(
-        {} if fields is None else {"mp_policy": torch_fsdp.MixedPrecisionPolicy(*fields)}
-        for fields in (script.mp, script.root_mp)
-    )
+    calls = ((script.mp, script.offload), (script.root_mp, script.root_offload))
+    keywords = []
+    for fields, offload in calls:
+        kw = {} if fields is None else {"mp_policy": torch_fsdp.MixedPrecisionPolicy(*fields)}
+        if offload == "cpu":
+            kw["offload_policy"] = torch_fsdp.CPUOffloadPolicy(pin_memory=False)
+        keywords.append(kw)
+    return tuple(keywords)
 
 
 def run_script(
@@ -122,6 +134,9 @@ def run_script(
     model = TinyModel()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     block_kw, root_kw = mp_policies(script)
+    if script.ignored:
+        block_kw = {**block_kw, "ignored_params": {model.blocks[0].ln.weight}}
+        root_kw = {**root_kw, "ignored_params": {model.gate.weight, model.gate.bias}}
     for block in model.blocks:
         if script.mlp_as_list:
             shard([block.up, block.down], mesh=mesh, **block_kw)
@@ -140,13 +155,15 @@ def run_script(
             idx, target = batch(10 * step + micro, rank)
             loss = F.cross_entropy(model(idx).reshape(-1, OUT), target.reshape(-1))
             loss.backward()
-        record.grad_is_dtensor &= all(isinstance(p.grad, DTensor) for p in model.parameters())
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        sharded = [p for p in model.parameters() if isinstance(p, DTensor)]  # not ignored
+        record.grad_is_dtensor &= all(isinstance(p.grad, DTensor) for p in sharded)
+        norm = torch.nn.utils.clip_grad_norm_(sharded, CLIP_NORM)
         record.grad_norms.append(_plain(norm))
         optim.step()
         record.optimizer_state_is_dtensor &= all(
             isinstance(state[key], DTensor)
-            for state in optim.state.values()
+            for param, state in optim.state.items()
+            if isinstance(param, DTensor)  # not ignored
             for key in ("exp_avg", "exp_avg_sq")
         )
         optim.zero_grad()
@@ -161,12 +178,21 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
 
 def _read(model: nn.Module, record: Record) -> None:
     params = dict(model.named_parameters())
-    record.full.append({n: p.full_tensor().detach().clone() for n, p in params.items()})
-    record.local_shapes.append({n: tuple(p.to_local().shape) for n, p in params.items()})
-    record.placements.append(
-        {n: f"{p.placements} {p.device_mesh.mesh_dim_names}" for n, p in params.items()}
-    )
+    record.full.append({n: _plain(p.detach()) for n, p in params.items()})
+    record.local_shapes.append({n: tuple(_local(p).shape) for n, p in params.items()})
+    record.placements.append({n: _placement(p) for n, p in params.items()})
     record.state_dict.append({k: _plain(v) for k, v in model.state_dict().items()})
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _placement(param: torch.Tensor) -> str:
+    """A DTensor's placements and mesh dims; an ignored parameter's class and device."""
+    if isinstance(param, DTensor):
+        return f"{param.placements} {param.device_mesh.mesh_dim_names}"
+    return f"plain {type(param).__name__} on {param.device}"
 
 
 def torch_run(rank: int, world_size: int, script: Script = Script()) -> Record:
@@ -195,7 +221,17 @@ def fp32_gather_fully_shard(module: nn.Module, *, mp_policy=None, **kwargs) -> n
     return shardwrap.fully_shard(module, **kwargs)
 
 
-CONTROLS = {"undivided": undivided_fully_shard, "fp32_gather": fp32_gather_fully_shard}
+def managing_ignored_fully_shard(module: nn.Module, *, ignored_params=None, **kwargs):
+    """The negative control of ignored_params: shardwrap's ``fully_shard`` dropping them
+    (so they are sharded, reduced and DTensors like the rest)."""
+    return shardwrap.fully_shard(module, **kwargs)
+
+
+CONTROLS = {
+    "undivided": undivided_fully_shard,
+    "fp32_gather": fp32_gather_fully_shard,
+    "ignored_managed": managing_ignored_fully_shard,
+}
 
 
 def both(

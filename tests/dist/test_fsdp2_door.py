@@ -19,6 +19,15 @@ both sides compute the same bf16 ops, and a two-term bf16 sum divided by 2 round
 Negative controls (in the suite): gradients not divided by the world size
 (``fc.undivided_fully_shard``), and the policy's ``param_dtype`` ignored
 (``fc.fp32_gather_fully_shard``), must fail the same comparison.
+
+``ignored_params`` (the blocks' calls ignore block 0's LayerNorm weight, the root's the
+gate) is compared the same way: those parameters stay plain on both sides, with each
+rank's own unreduced gradients, so each rank's values differ and must still equal
+torch's on that rank. Negative controls: shardwrap dropping ``ignored_params``
+(``fc.managing_ignored_fully_shard``, in the suite) fails on placements and values; the
+root's call not leaving out what a block's call left out (``_left_out_below`` not
+applied, run once) failed from step 0 (grad norm 0.20669076 != 0.20690839, block 0's
+LayerNorm weight sharded).
 """
 
 from __future__ import annotations
@@ -49,13 +58,16 @@ FP32_OUTPUT = fc.Script(mp=_BF16, root_mp=(torch.bfloat16, None, torch.float32, 
 # bf16 blocks in an fp32 root: each block casts its fp32 inputs to bf16 and its outputs
 # back to fp32 (the root's default policy computes in fp32).
 BF16_BLOCKS = fc.Script(mp=(torch.bfloat16, None, torch.float32, True))
+# ignored_params on every call: the gate and block 0's LayerNorm weight stay plain
+# parameters, unsharded and unreduced (each rank's own gradient, so each rank's values).
+IGNORED = fc.Script(ignored=True)
 REORDER_SAFE = fc.Script(adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)))
 REORDERED = fc.Tolerances(values=REORDERED_VALUE_TOL, params=reordered_param_tol)
 
 
 @pytest.mark.parametrize(
     "script",
-    [EXACT, ACCUMULATING, LISTS, SUMMED, BF16, BF16_FP32_REDUCE, FP32_OUTPUT, BF16_BLOCKS],
+    [EXACT, ACCUMULATING, LISTS, SUMMED, BF16, BF16_FP32_REDUCE, FP32_OUTPUT, BF16_BLOCKS, IGNORED],
     ids=[
         "adamw",
         "accumulate",
@@ -65,6 +77,7 @@ REORDERED = fc.Tolerances(values=REORDERED_VALUE_TOL, params=reordered_param_tol
         "bf16_fp32_reduce",
         "fp32_output",
         "bf16_blocks_in_fp32_root",
+        "ignored_params",
     ],
 )
 def test_two_ranks_equal_torch_fsdp2_bit_for_bit(script):
@@ -119,3 +132,11 @@ def test_negative_control_param_dtype_ignored_differs():
     comparison with torch's bf16 run, on the losses first."""
     for found in run_ranks(fc.compare, 2, BF16, None, "fp32_gather"):
         assert any("loss" in line for line in found), found[:8]
+
+
+def test_negative_control_ignored_params_managed_differs():
+    """ignored_params' control: shardwrap's run dropping them (sharded, reduced, DTensors)
+    must fail the comparison with torch's run: placements from step 0, values after."""
+    for found in run_ranks(fc.compare, 2, IGNORED, None, "ignored_managed"):
+        assert any("placements['gate.weight']" in line for line in found), found[:8]
+        assert any("full['gate.weight']" in line for line in found), found[:8]
