@@ -107,13 +107,12 @@ class FSDPModule:
         if handle is None:
             return super()._apply(fn, recurse)  # type: ignore[misc]
         runtime_for(module).reshard_unit(unit)  # the module shows the shard views
+        apply_to_shards(handle, fn)  # first: a refused conversion leaves the module as it was
         hide_shards(handle)
         try:
-            result = super()._apply(fn, recurse)  # type: ignore[misc]
+            return super()._apply(fn, recurse)  # type: ignore[misc]
         finally:
             handle.show_params(handle.shard_params)
-        apply_to_shards(handle, fn)
-        return result
 
     _order = "shardwrap prefetches the next unit in forward and backward order by itself"
     set_modules_to_forward_prefetch = _refused("set_modules_to_forward_prefetch", _order)

@@ -78,7 +78,7 @@ def compare(rank: int, world_size: int, registered: bool) -> list[str]:
     dist.barrier()
     register = shardwrap.register_fsdp_forward_method if registered else None
     ours = run(shardwrap.fully_shard, register, rank, world_size)
-    found = []
+    found = mixed_precision_refused(world_size)
     for key in ("losses", "head_after_score", "plain_untouched"):
         if reference[key] != ours[key]:
             found.append(f"{key}: {reference[key]} != {ours[key]}")
@@ -88,3 +88,17 @@ def compare(rank: int, world_size: int, registered: bool) -> list[str]:
     if len(reference["scores"]) != len(ours["scores"]):
         found.append(f"scores: {len(reference['scores'])} != {len(ours['scores'])}")
     return found
+
+
+def mixed_precision_refused(world_size: int) -> list[str]:
+    """A line if registering on a unit with a bf16 ``mp_policy`` is not refused (FSDP2
+    casts the method's inputs and outputs; the engine's wrapper does not)."""
+    model = ScoringModel()
+    policy = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    shardwrap.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)), mp_policy=policy)
+    try:
+        shardwrap.register_fsdp_forward_method(model, "score")
+    except NotImplementedError as error:
+        if "mixed-precision" in str(error):
+            return []
+    return ["register_fsdp_forward_method under a bf16 mp_policy: not refused"]

@@ -2,7 +2,8 @@
 same script (tests/dist/fsdp2_forward_method_cases.py) at 2 ranks: the registered method's
 outputs before any forward and after each of two AdamW steps, the losses, whether the
 root's parameters are DTensors after the method (FSDP2's root stays gathered after a
-forward), bit for bit; a module ``fully_shard`` was not called on is left untouched.
+forward), bit for bit; a module ``fully_shard`` was not called on is left untouched, and
+a unit with a bf16 ``mp_policy`` is refused (FSDP2 casts around the method).
 
 The method is called with grad enabled: under ``no_grad`` the door frees the root after a
 forward where FSDP2 keeps it gathered, a difference of the door's forward, not of this.

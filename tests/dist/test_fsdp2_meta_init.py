@@ -1,8 +1,11 @@
 """Meta-device initialisation on the FSDP2 door, against torch's FSDP2 running the same
 script (tests/dist/fsdp2_meta_cases.py): build on meta, ``fully_shard`` the blocks and the
 root, ``to_empty(device="cpu")``, initialise in place on the DTensor parameters, then
-AdamW steps. At 2 ranks the parameters right after init, and then the losses, gradient
-norms, parameters and state dicts after every step, must agree bit for bit.
+AdamW steps. The model has a buffer, on meta too and set after ``to_empty``. At 2 ranks
+the parameters right after init, and then the losses, gradient norms, parameters and
+state dicts (the buffer's included) after every step, must agree bit for bit. Each run
+also checks that ``model.to(torch.float64)`` after ``fully_shard`` is refused before it
+converts anything (the flat shard has one dtype).
 
 Negative controls, run once (2 ranks, ``init_fn``). ``FSDPModule._apply`` made a plain
 ``nn.Module._apply`` (the classic bug: ``to_empty`` swaps each DTensor parameter for new
