@@ -26,8 +26,9 @@ from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import ShardingStrategy
 from .dtensor_views import install_dtensor_views
-from .fully_shard_args import NOT_YET, UnitOptions, check_offload_mesh, parse_options
+from .fully_shard_args import UnitOptions, check_offload_mesh, parse_options
 from .group_hooks import register_group_hooks
+from .meta_init import materialize_meta
 from .module import as_fsdp_module
 from .state import DoorUnit, set_state, state_of
 
@@ -68,6 +69,7 @@ def fully_shard(
         dp_mesh_dims=dp_mesh_dims,
         master_dtype=_master_dtype(members),
     )
+    materialize_meta(members)  # [Note: meta-device modules on the FSDP2 door]
     # The unit's module: the one given, or a container of the list (outside the tree).
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
     device = next((p.device for p in target.parameters()), None)
@@ -128,11 +130,6 @@ def _check_module(module: object) -> None:
     if state_of(module) is not None:
         raise ValueError("module: fully_shard was already called on this module")
     for name, param in module.named_parameters():
-        if param.is_meta:
-            raise ValueError(
-                f"module: parameter {name!r} is on the meta device; meta-device "
-                f"initialisation {NOT_YET}; materialise the module before fully_shard"
-            )
         if param.dim() == 0:
             raise ValueError(f"module: parameter {name!r} is a scalar; Shard(0) needs a dim")
     if any(is_root(m) and state_of(m) is None for m in module.modules()):

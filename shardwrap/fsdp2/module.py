@@ -17,6 +17,7 @@ from torch import nn
 
 from ..base.validate import check_bool
 from ..core.unit import Unit
+from .meta_init import apply_to_shards, hide_shards
 from .state import runtime_for, state_of
 
 _CLASSES: dict[type, type] = {}
@@ -96,6 +97,22 @@ class FSDPModule:
             if state is not None:
                 state.reshard_after_forward = value
                 state.unit.set_reshard_after_forward(value)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``to_empty``, ``to``) with this unit's shard views kept the
+        engine's storage ([Note: meta-device modules on the FSDP2 door] in ``meta_init.py``)."""
+        module: Any = self
+        unit = _unit(module)
+        handle = unit.handle
+        if handle is None:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        runtime_for(module).reshard_unit(unit)  # the module shows the shard views
+        apply_to_shards(handle, fn)  # first: a refused conversion leaves the module as it was
+        hide_shards(handle)
+        try:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            handle.show_params(handle.shard_params)
 
     _order = "shardwrap prefetches the next unit in forward and backward order by itself"
     set_modules_to_forward_prefetch = _refused("set_modules_to_forward_prefetch", _order)
