@@ -112,6 +112,9 @@ class Script:
     # the root's call the gate's weight and bias (so the root's call must leave out what a
     # block's call left out, as FSDP2's does); they stay plain, unreduced parameters.
     ignored: bool = False
+    # The blocks' calls' reshard_after_forward (an int: reshard to groups of that many
+    # ranks after forward); None: FSDP2's default.
+    block_reshard: bool | int | None = None
 
 
 def mp_policies(script: Script) -> tuple[dict, dict]:
@@ -123,6 +126,8 @@ def mp_policies(script: Script) -> tuple[dict, dict]:
         if offload == "cpu":
             kw["offload_policy"] = torch_fsdp.CPUOffloadPolicy(pin_memory=False)
         keywords.append(kw)
+    if script.block_reshard is not None:
+        keywords[0]["reshard_after_forward"] = script.block_reshard
     return tuple(keywords)
 
 
