@@ -139,6 +139,8 @@ REFUSED = [
         "set_gradient_divide_factor",
         "set_reduce_scatter_divide_factor",
         "set_force_sum_reduction_for_comms",
+        "set_modules_to_forward_prefetch",
+        "set_modules_to_backward_prefetch",
     )
 ]
 
