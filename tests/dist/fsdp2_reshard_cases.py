@@ -43,14 +43,12 @@ class Recording:
 
     def gather_group_sizes(self) -> dict[str, set[int]]:
         """The group sizes of each unit's parameter all-gathers over the run, from the
-        ledger its communicators record into (a block's: the one of the root its call
-        built, which the model's root adopted)."""
+        root's ledger (the root, called last, adopted the blocks' ledgers: [Note: adopted
+        ledgers] in comm/ledger.py)."""
         sizes: dict[str, set[int]] = {}
-        for module in self.modules:
-            unit = state_of(module).unit
-            for record in unit.handle.shard_comm.ledger.records:
-                if record.kind == "all_gather" and record.purpose == "params":
-                    sizes.setdefault(record.unit, set()).add(record.group_size)
+        for record in state_of(self.modules[-1]).root.comm_ledger.records:
+            if record.kind == "all_gather" and record.purpose == "params":
+                sizes.setdefault(record.unit, set()).add(record.group_size)
         return sizes
 
 
