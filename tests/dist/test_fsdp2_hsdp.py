@@ -1,0 +1,99 @@
+"""HSDP on the FSDP2 door: ``fully_shard(module, mesh=<2-D mesh>)`` against torch's FSDP2.
+
+One FSDP2 client script (tests/dist/fsdp2_hsdp_cases.py: fsdp2_cases' model, per-block
+``fully_shard`` then the root, AdamW, torch's ``clip_grad_norm_``) runs at 4 ranks on a
+``(2, 2)`` mesh named ``("dp_replicate", "dp_shard")``, once with torch's ``fully_shard``
+and once with shardwrap's, and every step's record must agree bit for bit: losses,
+gradient norms, each parameter's local shard, ``full_tensor()``, local shape and
+placements (``(Replicate(), Shard(dim=0))``), each gradient's local shard and placements,
+``model.state_dict()``. Every sum here has two terms (a reduce-scatter over 2 shards, an
+all-reduce over 2 replicas), which floating point adds alike in any order, and FSDP2's
+two divisions by 2 equal shardwrap's one by 4 exactly, so no tolerance is needed.
+
+The scripts: one microbatch a step; ``set_requires_all_reduce(False)`` for a first
+microbatch then True, with every FSDPModule's ``set_all_reduce_hook`` changing the
+gradients in place (the hook's call count compared too, and the parameters' ``.grad``
+after the skipped microbatch: None under both); a skipped all-reduce, then
+``set_requires_gradient_sync(False)``, then ``set_requires_gradient_sync(True)`` (which
+under FSDP2 turns the all-reduce back on); and the hook on a 1-D mesh, the 2-D mesh's
+``"dp_shard"`` dimension (two 2-rank FSDP worlds), where FSDP2 calls it after the
+reduce-scatter. All run in one call on the ranks (a module-scoped fixture).
+
+Negative controls (tests/dist/fsdp2_hsdp_cases.py), run once on 2026-12-04, each failing
+the same comparison on every rank:
+* ``no_all_reduce`` (each unit's replica all-reduce removed; in the suite): from step 0,
+  grad norm 0.2852802574634552 != 0.2557727098464966 (ranks 0, 1) and 0.4925794005393982
+  (ranks 2, 3), 420-436 lines of differences per rank;
+* ``skip_ignored`` (``set_requires_all_reduce`` a no-op): parameters differ from step 0
+  (``embed.weight``, ...), 460-470 lines per rank;
+* ``hook_before_division`` (the hook run on the undivided sum): from step 0, grad norm
+  0.3177555501461029 != 0.317624032497406, 416-430 lines per rank;
+* placements ``(Shard(0), Shard(0))`` instead of ``(Replicate(), Shard(0))`` in
+  ``fsdp2/dtensor_views.shard_placements``: PLACEHOLDER.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import fsdp2_hsdp_cases as hc
+from tests.dist.harness import run_ranks
+
+WORLD_SIZE = 4
+S = hc.HsdpScript
+CASES = [
+    (S(), (None, "no_all_reduce")),
+    (S(accumulate=True, hook=True), (None,)),
+    (S(one_d=True, hook=True), (None,)),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    """By rank, for each case, each run's differences from torch's (one call on the ranks)."""
+    return run_ranks(hc.compare_all, WORLD_SIZE, CASES)
+
+
+def _found(results, case: int, run: int) -> list[tuple[int, list[str]]]:
+    return [(rank, by_case[case][run]) for rank, by_case in enumerate(results)]
+
+
+def test_hsdp_equals_torch_fsdp2_bit_for_bit(results):
+    for rank, found in _found(results, 0, 0):
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
+def test_negative_control_no_replica_all_reduce_differs(results):
+    for rank, found in _found(results, 0, 1):
+        assert any("grad norm" in line for line in found), f"rank {rank}: {found[:8]}"
+
+
+def test_skipped_all_reduces_and_the_hook_equal_torch_fsdp2(results):
+    for rank, found in _found(results, 1, 0):
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
+def test_the_hook_on_a_one_d_mesh_equals_torch_fsdp2(results):
+    for rank, found in _found(results, 2, 0):
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
+def test_what_the_door_refuses_on_meshes_and_hsdp_knobs_names_it():
+    """Each refusal names what is refused and what to use; each has a supported neighbour
+    as its negative control (accepted): the hook and the skip on a (2, 2) mesh, no sync on
+    a (4, 1) mesh, the hook where the reduction is in the parameters' float32."""
+    for found in run_ranks(hc.refusals, WORLD_SIZE):
+        assert found["3-D mesh"].startswith("ValueError: mesh: DeviceMesh("), found
+        assert (
+            "3-D" in found["3-D mesh"] and "mesh['dp_replicate', 'dp_shard']" in found["3-D mesh"]
+        )
+        assert found["hook stream under HSDP"].startswith("ValueError: stream: cannot be set")
+        assert found["hook under HSDP"] == found["skip under HSDP"] == "accepted"
+        skip = found["skip with one shard"]
+        assert skip.startswith("NotImplementedError: FSDPModule.set_requires_all_reduce(False)")
+        assert "shard dimension has size 1" in skip and "set_requires_gradient_sync" in skip
+        assert found["sync off with one shard"] == "accepted"
+        hook = found["hook, bf16 reduction"]
+        assert hook.startswith("NotImplementedError: FSDPModule.set_all_reduce_hook"), hook
+        assert "torch.bfloat16" in hook and "reduce_dtype" in hook
+        assert found["hook, fp32 reduction"] == "accepted"
