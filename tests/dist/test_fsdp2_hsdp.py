@@ -10,26 +10,38 @@ placements (``(Replicate(), Shard(dim=0))``), each gradient's local shard and pl
 all-reduce over 2 replicas), which floating point adds alike in any order, and FSDP2's
 two divisions by 2 equal shardwrap's one by 4 exactly, so no tolerance is needed.
 
-The scripts: one microbatch a step; ``set_requires_all_reduce(False)`` for a first
-microbatch then True, with every FSDPModule's ``set_all_reduce_hook`` changing the
-gradients in place (the hook's call count compared too, and the parameters' ``.grad``
-after the skipped microbatch: None under both); a skipped all-reduce, then
-``set_requires_gradient_sync(False)``, then ``set_requires_gradient_sync(True)`` (which
-under FSDP2 turns the all-reduce back on); and the hook on a 1-D mesh, the 2-D mesh's
+The scripts: one microbatch a step; accumulating steps, in turn
+``set_requires_all_reduce(False)`` then ``(True)``, and ``set_requires_all_reduce(False)``,
+``set_requires_gradient_sync(False)``, ``set_requires_gradient_sync(True)`` (which under
+FSDP2 turns the all-reduce back on), with every FSDPModule's ``set_all_reduce_hook``
+changing the gradients in place (its call count compared too, and every ``.grad`` after
+each microbatch but the last: None under both); and the hook on a 1-D mesh, the 2-D mesh's
 ``"dp_shard"`` dimension (two 2-rank FSDP worlds), where FSDP2 calls it after the
 reduce-scatter. All run in one call on the ranks (a module-scoped fixture).
 
-Negative controls (tests/dist/fsdp2_hsdp_cases.py), run once on 2026-12-04, each failing
-the same comparison on every rank:
-* ``no_all_reduce`` (each unit's replica all-reduce removed; in the suite): from step 0,
+Negative controls, run once on 2026-12-04, each failing the same comparison on every
+rank (the first in the suite; the next two are door variants in fsdp2_hsdp_cases.py, the
+rest were source edits, reverted):
+* ``no_all_reduce`` (each unit's replica all-reduce removed), plain script: from step 0,
   grad norm 0.2852802574634552 != 0.2557727098464966 (ranks 0, 1) and 0.4925794005393982
   (ranks 2, 3), 420-436 lines of differences per rank;
-* ``skip_ignored`` (``set_requires_all_reduce`` a no-op): parameters differ from step 0
-  (``embed.weight``, ...), 460-470 lines per rank;
-* ``hook_before_division`` (the hook run on the undivided sum): from step 0, grad norm
-  0.3177555501461029 != 0.317624032497406, 416-430 lines per rank;
-* placements ``(Shard(0), Shard(0))`` instead of ``(Replicate(), Shard(0))`` in
-  ``fsdp2/dtensor_views.shard_placements``: PLACEHOLDER.
+* ``skip_ignored`` (``set_requires_all_reduce`` a no-op), accumulating script: from step
+  0, grad norm 0.3177555501461029 != 0.31797701120376587, ``.grad`` set after the skipped
+  microbatch (``skipped_grads[...] False != True``), hook calls, 582-595 lines per rank;
+* ``hook_before_division`` (the hook on the undivided sum), accumulating script: from
+  step 0, grad norm 0.3177555501461029 != 0.317624032497406, 416-430 lines per rank;
+* the skipped backward's reduce-scatter output dropped (``ReplicaGrads.keep`` a no-op):
+  from step 0, grad norm 0.3177555501461029 != 0.16207890212535858, 420-436 lines;
+* ``set_requires_gradient_sync(True)`` not setting the all-reduce back on: the 3-microbatch
+  step ends with no gradient (``AttributeError`` on ``p.grad.to_local()``, step 1);
+* placements ``(Shard(0), Replicate())`` instead of ``(Replicate(), Shard(0))``
+  (``fsdp2/dtensor_views.shard_placements``), plain script: from step 0, grad norm
+  0.2852802574634552 != 0.29740476608276367 (ranks 0, 2) / 0.27261707186698914 (1, 3);
+* the hook not set on a 1-D mesh: hook calls [3, 3, 3, 3] != [0, 0, 0, 0], grad norm
+  0.19194936752319336 != 0.2557727098464966 at step 0 (ranks 0, 1).
+
+Timing: the fixture's one call (4 ranks, 9 runs of 4 steps) takes 17-27 s on 2 loaded
+cores, the pool's start included.
 """
 
 from __future__ import annotations
