@@ -231,3 +231,47 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     fp32_reduce = shardwrap.fully_shard(nn.Linear(4, 4), mesh=mesh, mp_policy=policy)
     found["hook, fp32 reduction"] = _error(lambda: fp32_reduce.set_all_reduce_hook(print))
     return found
+
+
+def _whole_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW state as a whole tensor (``full_tensor()``), by name."""
+    found = {}
+    for name, param in model.named_parameters():
+        found[name] = param.full_tensor().detach().clone()
+        for key, value in optim.state[param].items():
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            found[f"{name}/{key}"] = whole.detach().clone()
+    return found
+
+
+def dcp_run(rank: int, world_size: int, folder: str, ours: bool, hsdp: bool, load: bool):
+    """torch's or shardwrap's ``fully_shard`` on the (2, 2) mesh (``hsdp``) or a 1-D one;
+    train 2 steps and ``dcp.save`` ``get_model_state_dict`` / ``get_optimizer_state_dict``,
+    or (``load``) train 1 step, ``dcp.load`` and ``set_*_state_dict``; the whole state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    shard = shardwrap.fully_shard if ours else torch_fsdp.fully_shard
+    torch.manual_seed(0)
+    model = fc.TinyModel()
+    mesh = mesh_for(world_size, HsdpScript()) if hsdp else init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=fc.LR, weight_decay=0.1)
+    for step in range(1 if load else 2):
+        idx, target = fc.batch(step, rank)
+        F.cross_entropy(model(idx).reshape(-1, fc.OUT), target.reshape(-1)).backward()
+        optim.step()
+        optim.zero_grad()
+    state = {
+        "model": dsd.get_model_state_dict(model),
+        "optim": dsd.get_optimizer_state_dict(model, optim),
+    }
+    if load:
+        dcp.load(state, checkpoint_id=folder)
+        dsd.set_model_state_dict(model, state["model"])
+        dsd.set_optimizer_state_dict(model, optim, state["optim"])
+    else:
+        dcp.save(state, checkpoint_id=folder)
+    return _whole_state(model, optim)
