@@ -275,3 +275,37 @@ def dcp_run(rank: int, world_size: int, folder: str, ours: bool, hsdp: bool, loa
     else:
         dcp.save(state, checkpoint_id=folder)
     return _whole_state(model, optim)
+
+
+def _door_model(mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = fc.TinyModel()
+    for block in model.blocks:
+        shardwrap.fully_shard(block, mesh=mesh)
+    shardwrap.fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=fc.LR, weight_decay=0.1)
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range, rank: int) -> None:
+    for step in steps:
+        idx, target = fc.batch(step, rank)
+        F.cross_entropy(model(idx).reshape(-1, fc.OUT), target.reshape(-1)).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def shardwrap_checkpoint_run(rank: int, world_size: int, folder: str) -> dict:
+    """The door on the (2, 2) mesh: 2 steps, ``shardwrap.save_checkpoint``; then the door
+    on a 1-D mesh of 4 and on the (2, 2) mesh, each trained 1 step on other data and
+    loaded (``load_checkpoint``): the whole state of each."""
+    model, optim = _door_model(mesh_for(world_size, HsdpScript()))
+    _train(model, optim, range(2), rank)
+    found = {"saved": _whole_state(model, optim)}
+    shardwrap.save_checkpoint(folder, model, optim)
+    meshes = {"1-D": init_device_mesh("cpu", (world_size,)), "HSDP": mesh_for(world_size, HsdpScript())}
+    for name, mesh in meshes.items():
+        model, optim = _door_model(mesh)
+        _train(model, optim, range(5, 6), rank)
+        shardwrap.load_checkpoint(folder, model, optim)
+        found[name] = _whole_state(model, optim)
+    return found

@@ -136,3 +136,13 @@ def test_dcp_checkpoints_of_hsdp_cross_with_torch_fsdp2(tmp_path, saver, loader)
     args = (folder, load_by == "shardwrap", load_hsdp, True)
     for loaded in run_ranks(hc.dcp_run, WORLD_SIZE, *args):
         assert _differences(saved, loaded) == []
+
+
+def test_shardwrap_checkpoints_of_hsdp_reload_exactly_on_either_mesh(tmp_path):
+    """``shardwrap.save_checkpoint`` of the door's HSDP model (each chunk saved once, by
+    replica 0) loads into the door on a 1-D mesh of 4 and on the (2, 2) mesh: every
+    parameter and AdamW state (whole) equal, bit for bit. Negative control (run once,
+    2026-12-04): ``load_checkpoint`` left out fails both: DIFFS."""
+    for found in run_ranks(hc.shardwrap_checkpoint_run, WORLD_SIZE, str(tmp_path / "ckpt")):
+        assert _differences(found["saved"], found["1-D"]) == []
+        assert _differences(found["saved"], found["HSDP"]) == []
