@@ -302,7 +302,10 @@ def shardwrap_checkpoint_run(rank: int, world_size: int, folder: str) -> dict:
     _train(model, optim, range(2), rank)
     found = {"saved": _whole_state(model, optim)}
     shardwrap.save_checkpoint(folder, model, optim)
-    meshes = {"1-D": init_device_mesh("cpu", (world_size,)), "HSDP": mesh_for(world_size, HsdpScript())}
+    meshes = {
+        "1-D": init_device_mesh("cpu", (world_size,)),
+        "HSDP": mesh_for(world_size, HsdpScript()),
+    }
     for name, mesh in meshes.items():
         model, optim = _door_model(mesh)
         _train(model, optim, range(5, 6), rank)

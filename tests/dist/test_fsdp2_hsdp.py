@@ -142,7 +142,7 @@ def test_shardwrap_checkpoints_of_hsdp_reload_exactly_on_either_mesh(tmp_path):
     """``shardwrap.save_checkpoint`` of the door's HSDP model (each chunk saved once, by
     replica 0) loads into the door on a 1-D mesh of 4 and on the (2, 2) mesh: every
     parameter and AdamW state (whole) equal, bit for bit. Negative control (run once,
-    2026-12-04): ``load_checkpoint`` left out fails both: DIFFS."""
+    2026-12-04): ``load_checkpoint`` left out fails both: 108 of 108 entries differ."""
     for found in run_ranks(hc.shardwrap_checkpoint_run, WORLD_SIZE, str(tmp_path / "ckpt")):
         assert _differences(found["saved"], found["1-D"]) == []
         assert _differences(found["saved"], found["HSDP"]) == []
