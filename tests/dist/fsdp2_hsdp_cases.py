@@ -53,12 +53,14 @@ class HsdpScript:
     ``set_requires_gradient_sync(True)`` (which under FSDP2 sets the all-reduce back on).
     ``hook``: every FSDPModule's ``set_all_reduce_hook(scaled_hook)``. ``one_d``: the 2-D
     mesh's ``"dp_shard"`` dimension as a 1-D mesh (two 2-rank FSDP worlds with their own
-    data, no replicas).
+    data, no replicas). ``bf16``: every call's ``MixedPrecisionPolicy(bf16, bf16)``
+    (computing and reducing in bf16 on every torch release; fp32 parameters).
     """
 
     accumulate: bool = False
     hook: bool = False
     one_d: bool = False
+    bf16: bool = False
 
 
 @dataclass
@@ -91,9 +93,11 @@ def run_script(
     torch.manual_seed(0)
     model = fc.TinyModel()
     mesh = mesh_for(world_size, script)
+    bf16 = torch_fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16)
+    kw = {"mp_policy": bf16} if script.bf16 else {}
     for block in model.blocks:
-        shard(block, mesh=mesh)
-    shard(model, mesh=mesh)
+        shard(block, mesh=mesh, **kw)
+    shard(model, mesh=mesh, **kw)
     calls = [0]
     if script.hook:
         for module in model.modules():
@@ -156,8 +160,14 @@ def hook_before_division_fully_shard(module: nn.Module, **kwargs) -> nn.Module:
     return module
 
 
+def fp32_compute_fully_shard(module: nn.Module, *, mp_policy=None, **kwargs) -> nn.Module:
+    """Negative control of the bf16 case: shardwrap's door with ``mp_policy`` dropped."""
+    return shardwrap.fully_shard(module, **kwargs)
+
+
 CONTROLS = {
     "no_all_reduce": no_all_reduce_fully_shard,
+    "fp32_compute": fp32_compute_fully_shard,
     "skip_ignored": skip_ignored_fully_shard,
     "hook_before_division": hook_before_division_fully_shard,
 }

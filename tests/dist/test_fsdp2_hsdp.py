@@ -17,7 +17,8 @@ FSDP2 turns the all-reduce back on), with every FSDPModule's ``set_all_reduce_ho
 changing the gradients in place (its call count compared too, and every ``.grad`` after
 each microbatch but the last: None under both); and the hook on a 1-D mesh, the 2-D mesh's
 ``"dp_shard"`` dimension (two 2-rank FSDP worlds), where FSDP2 calls it after the
-reduce-scatter. All run in one call on the ranks (a module-scoped fixture).
+reduce-scatter; the accumulating steps again under ``MixedPrecisionPolicy(bf16, bf16)``.
+All run in one call on the ranks (a module-scoped fixture).
 
 Negative controls, run once on 2026-12-04, each failing the same comparison on every
 rank (the first in the suite; the next two are door variants in fsdp2_hsdp_cases.py, the
@@ -40,8 +41,8 @@ rest were source edits, reverted):
 * the hook not set on a 1-D mesh: hook calls [3, 3, 3, 3] != [0, 0, 0, 0], grad norm
   0.19194936752319336 != 0.2557727098464966 at step 0 (ranks 0, 1).
 
-Timing: the fixture's one call (4 ranks, 9 runs of 4 steps) takes 17-27 s on 2 loaded
-cores, the pool's start included.
+Timing on 2 loaded cores: the fixture's one call (4 ranks, 11 runs of 4 steps) 20-30 s,
+the pool's start (about 10 s) included; the file's other tests 10-15 s together.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ CASES = [
     (S(), (None, "no_all_reduce")),
     (S(accumulate=True, hook=True), (None,)),
     (S(one_d=True, hook=True), (None,)),
+    (S(accumulate=True, bf16=True), (None,)),
 ]
 
 
@@ -88,6 +90,16 @@ def test_skipped_all_reduces_and_the_hook_equal_torch_fsdp2(results):
 
 def test_the_hook_on_a_one_d_mesh_equals_torch_fsdp2(results):
     for rank, found in _found(results, 2, 0):
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
+def test_bf16_accumulating_steps_equal_torch_fsdp2(results):
+    """``MixedPrecisionPolicy(bf16, bf16)`` on every call, the accumulating steps: FSDP2
+    averages in bf16 by halves (exact), shardwrap sums in bf16 and divides by 4 in fp32
+    (exact): the same bf16 sums, so bit for bit too. Negative control (run once,
+    2026-12-04): ``fp32_compute`` (the door's ``mp_policy`` dropped) fails from step 0,
+    loss 1.3984375 != 1.4022070169448853 on rank 0, 416-431 lines per rank."""
+    for rank, found in _found(results, 3, 0):
         assert found == [], f"rank {rank}: {found[:8]}"
 
 
