@@ -4,7 +4,8 @@
 (``FSDPModule``'s methods), ``dtensor_views.py`` (parameters and gradients as DTensors
 over the flat shard), ``options.py`` (the arguments, and what is refused), ``state.py``
 (each call's record), ``meta_init.py`` (meta-device modules),
-``forward_method.py`` (``register_fsdp_forward_method``). The layout: ``layout/chunks.py``.
+``forward_method.py`` (``register_fsdp_forward_method``), ``replicas.py`` (HSDP's
+``set_requires_all_reduce`` and ``set_all_reduce_hook``). The layout: ``layout/chunks.py``.
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
