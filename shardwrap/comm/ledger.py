@@ -17,7 +17,7 @@ class CommRecord:
     """One collective as this rank issued it."""
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast" | "all_to_all" |
-    # "redistribute"
+    # "redistribute" | "send"
     purpose: str  # e.g. "params", "grads", "grad_presence", "init"
     num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
     group_size: int
