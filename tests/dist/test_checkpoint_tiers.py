@@ -1,0 +1,121 @@
+"""Checkpoint tiers: a fault costs the steps since the newest good checkpoint.
+
+Each test runs one script (tests/dist/tier_cases.py) uninterrupted, breaks its tiers, and
+resumes a restarted model from ``load_checkpoint(tiers)``; the reference is the
+uninterrupted run of the same script: losses after the resumed step, parameter shards
+and optimizer state equal bit for bit. Nodes are faked on one machine with
+``ranks_per_node`` (2 ranks as 2 nodes of 1, 4 ranks as 2 nodes of 2): each node writes
+its own memory folder, which a test deletes to lose the node.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.harness import run_ranks
+from tests.dist.tier_cases import FAULT_AFTER, run_fault_resume
+
+
+def _tiers(tmp_path, **changes) -> dict:
+    kwargs = {
+        "memory": str(tmp_path / "shm"),
+        "memory_every": 2,  # steps 2, 4, 6; keeps 4 and 6
+        "disk": str(tmp_path / "disk"),
+        "disk_every": 4,  # step 4
+        "keep": 2,
+        "ranks_per_node": 1,
+    }
+    return {**kwargs, **changes}
+
+
+def _same_on_every_rank(results: list[dict]) -> dict:
+    """The outcome every rank saw (the folders they loaded differ by node)."""
+    per_rank = ("folder", "first_loss_gap")
+    outcomes = [{k: v for k, v in r.items() if k not in per_rank} for r in results]
+    assert all(o == outcomes[0] for o in outcomes), results
+    return results[0]
+
+
+def _resumed_exactly(result: dict) -> None:
+    assert result["losses_equal"] and result["state_equal"], result
+
+
+def test_restart_resumes_from_the_memory_tier_bit_for_bit(tmp_path):
+    """A worker restart with the memory tier intact resumes from its newest step (6, not
+    the disk tier's 4). Negative control (run once): loading with ``restore_rng=False``
+    made the first resumed loss differ from the uninterrupted run's by 0.043 on rank 0 and
+    0.87 on rank 1 (dropout masks and input noise drawn from other streams), and the final
+    shards and optimizer state differ on both ranks."""
+    results = run_ranks(run_fault_resume, 2, _tiers(tmp_path), "none")
+    result = _same_on_every_rank(results)
+    assert result["chosen"] == ("memory", FAULT_AFTER) and result["skipped"] == [], result
+    _resumed_exactly(result)
+
+
+@pytest.mark.parametrize(("world_size", "ranks_per_node"), [(2, 1), (4, 2)])
+def test_a_lost_node_resumes_from_the_peer_copies(tmp_path, world_size, ranks_per_node):
+    """Node 1's memory folder deleted: node 0's folder (its own files, node 1's copies)
+    holds the whole newest step; node 1's ranks get their files from node 0 and the run
+    resumes from step 6 exactly. Negative controls: without peer copies, the next test;
+    with the restore step off (no rank fetches what its node lacks; run once), the load
+    failed on every rank at both world sizes: ``...node-00001/step-000000006/
+    <id>-rank00001.run.json: missing`` (``rank00003`` at 4 ranks)."""
+    tiers = _tiers(tmp_path, ranks_per_node=ranks_per_node)
+    results = run_ranks(run_fault_resume, world_size, tiers, "lose_node")
+    result = _same_on_every_rank(results)
+    assert result["chosen"] == ("memory", FAULT_AFTER) and result["skipped"] == [], result
+    _resumed_exactly(result)
+    # The replaced node's folder was refilled: the index and its own ranks' files.
+    for rank in range(ranks_per_node, 2 * ranks_per_node):
+        held = results[rank]["folder"]
+        assert "index.json" in held and any(f"rank{rank:05d}.safetensors" in n for n in held)
+
+
+def test_without_peer_copies_a_lost_node_falls_back_to_disk(tmp_path):
+    """Negative control of the previous test, in the suite: with ``peer_copy=False`` the
+    lost node's files exist nowhere, both memory steps are skipped as missing files and
+    the run resumes (exactly) from the disk tier's older step 4."""
+    tiers = _tiers(tmp_path, peer_copy=False)
+    result = _same_on_every_rank(run_ranks(run_fault_resume, 2, tiers, "lose_node"))
+    assert result["chosen"] == ("disk", 4), result
+    assert [s[:3] for s in result["skipped"]] == [
+        ("memory", 6, "missing file"),
+        ("memory", 4, "missing file"),
+    ], result
+    assert "-rank00001.safetensors" in result["skipped"][0][3], result
+    _resumed_exactly(result)
+
+
+def test_a_damaged_newest_step_falls_back_to_the_older_disk_step(tmp_path):
+    """Every copy of rank 1's file of memory step 6 has a flipped byte: step 6 is skipped
+    for its digest, naming the file, and the run resumes exactly from the disk tier's step
+    4 (memory keeps one step here). The control of the digest check is the next test."""
+    tiers = _tiers(tmp_path, memory_every=3, keep=1)  # memory: step 6 only; disk: step 4
+    result = _same_on_every_rank(run_ranks(run_fault_resume, 2, tiers, "corrupt_newest"))
+    assert result["chosen"] == ("disk", 4), result
+    ((tier, step, reason, detail),) = result["skipped"]
+    assert (tier, step, reason) == ("memory", 6, "digest mismatch"), result
+    assert "-rank00001.safetensors" in detail and "sha256 mismatch" in detail, detail
+    _resumed_exactly(result)
+
+
+def test_without_the_digest_check_the_damaged_step_is_taken(tmp_path):
+    """Negative control of the previous test, in the suite: a selection that takes every
+    file as verified chooses the damaged step 6, and the load itself then refuses it
+    (the reader's chunk checksums): no fallback, the resume fails."""
+    tiers = _tiers(tmp_path, memory_every=3, keep=1)
+    results = run_ranks(run_fault_resume, 2, tiers, "corrupt_newest", True)
+    for result in results:
+        assert "checksum mismatch" in result["error"], result
+
+
+def test_one_damaged_copy_is_replaced_from_the_other_node(tmp_path):
+    """Node 0's own file of step 6 is damaged but node 1's copy is good: step 6 is still
+    complete, node 0 gets the good copy, and the run resumes from step 6 exactly. Negative
+    control (run once): with the restore step off, node 0 loaded its damaged file and the
+    load failed on every rank: ``checksum mismatch in bytes ... (the file is corrupt)``."""
+    result = _same_on_every_rank(
+        run_ranks(run_fault_resume, 2, _tiers(tmp_path), "corrupt_one_copy")
+    )
+    assert result["chosen"] == ("memory", FAULT_AFTER) and result["skipped"] == [], result
+    _resumed_exactly(result)

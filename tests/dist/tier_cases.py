@@ -1,0 +1,176 @@
+"""Rank workers for the checkpoint tiers (tests/dist/test_checkpoint_tiers.py).
+
+One script, run twice in the same ranks: the *uninterrupted* run trains ``TOTAL_STEPS``
+steps, calling ``save_tiered`` after each of the first ``FAULT_AFTER``; then a fault
+(nothing, a lost node's memory folder, damaged files), then a *restarted* run builds the
+model afresh (another seed, other random streams), loads the newest good checkpoint of
+the tiers and trains to ``TOTAL_STEPS``. Its losses from the resumed step on, its
+parameter shards and its optimizer state must be the uninterrupted run's, bit for bit
+(dropout and input noise make the random streams matter).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwrap
+from shardwrap import CheckpointTiers, ResumableSampler, save_tiered
+from shardwrap.checkpoint import CheckpointError, load_newest
+from shardwrap.ckpt import selection as selection_module
+from shardwrap.ckpt.format import SHARD_FILE_PATTERN
+from shardwrap.policies import ModuleWrapPolicy
+
+TOTAL_STEPS = 9
+FAULT_AFTER = 6  # the last step the uninterrupted run saves; the fault comes after it
+NUM_SAMPLES = 64
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _build(rank: int, world_size: int, init_seed: int):
+    torch.manual_seed(init_seed)
+    model = shardwrap.ShardedModule(
+        DropoutMLP(), sharding_strategy="FULL_SHARD", auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=0.02)
+    sampler = ResumableSampler(
+        NUM_SAMPLES, global_batch_size=2 * world_size, rank=rank, world_size=world_size, seed=3
+    )
+    return model, optim, sampler
+
+
+def _seed_streams(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed + 1)
+    np.random.seed(seed + 2)
+
+
+def _one_step(model, optim, batches, data) -> float:
+    x_all, y_all = data
+    indices = next(batches)
+    x = (
+        x_all[indices]
+        + random.random() * torch.from_numpy(np.random.randn(len(indices), 8)).float()
+    )
+    loss = nn.functional.mse_loss(model(x), y_all[indices])
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
+
+
+def _state(model, optim) -> list[torch.Tensor]:
+    """This rank's parameter shards and optimizer state tensors, in a fixed order."""
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for param in model.parameters():
+        for key in sorted(optim.state.get(param, {})):
+            tensors.append(optim.state[param][key].detach().clone())
+    return tensors
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(NUM_SAMPLES, 8, generator=g), torch.randn(NUM_SAMPLES, 1, generator=g)
+
+
+def _fault(rank: int, tiers: CheckpointTiers, fault: str) -> None:
+    """World rank 0 breaks the tiers as ``fault`` says; every rank waits for it."""
+    if rank == 0:
+        if fault == "lose_node":  # node 1's memory is gone (its replacement starts empty)
+            shutil.rmtree(tiers.node_folder(1))
+        elif fault == "corrupt_newest":  # every copy of one file of the newest step
+            for node in (0, 1):
+                _flip_byte(_shard_file(tiers, node, FAULT_AFTER, rank=1))
+        elif fault == "corrupt_one_copy":  # node 0's own file; node 1 holds a good copy
+            _flip_byte(_shard_file(tiers, 0, FAULT_AFTER, rank=0))
+        else:
+            assert fault == "none", fault
+    dist.barrier()
+
+
+def _shard_file(tiers: CheckpointTiers, node: int, step: int, rank: int) -> str:
+    folder = os.path.join(tiers.node_folder(node), f"step-{step:09d}")
+    (name,) = [
+        n for n in os.listdir(folder) if SHARD_FILE_PATTERN.match(n) and f"rank{rank:05d}" in n
+    ]
+    return os.path.join(folder, name)
+
+
+def _flip_byte(path: str) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(os.path.getsize(path) - 3)  # in the tensor data, past the header
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x40]))
+
+
+def run_fault_resume(
+    rank: int, world_size: int, tiers_kwargs: dict, fault: str, bypass_digests: bool = False
+) -> dict:
+    """The uninterrupted run, ``fault``, the restarted run; what it chose and whether it
+    matched. ``bypass_digests`` (a negative control): the selection takes every file as
+    verified."""
+    tiers = CheckpointTiers(**tiers_kwargs)
+    data = _data()
+    model, optim, sampler = _build(rank, world_size, init_seed=0)
+    _seed_streams(100 + rank)
+    batches, losses = iter(_endless(sampler)), {}
+    for step in range(1, TOTAL_STEPS + 1):
+        losses[step] = _one_step(model, optim, batches, data)
+        if step <= FAULT_AFTER:
+            save_tiered(tiers, step, model, optim, extra={"step": step}, sampler=sampler)
+    expected = _state(model, optim)
+    del model, optim
+
+    _fault(rank, tiers, fault)
+    model, optim, sampler = _build(rank, world_size, init_seed=1)
+    _seed_streams(999)
+    original = selection_module._verify
+    if bypass_digests:
+        selection_module._verify = _unchecked
+    try:
+        resumed = load_newest(tiers, model, optim, sampler=sampler)
+    except CheckpointError as exc:
+        return {"error": str(exc)}
+    finally:
+        selection_module._verify = original
+    start = resumed.extra["step"]
+    batches = iter(_endless(sampler))
+    again = {s: _one_step(model, optim, batches, data) for s in range(start + 1, TOTAL_STEPS + 1)}
+    got = _state(model, optim)
+    exact = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    chosen = resumed.selection.chosen
+    return {
+        "folder": sorted(os.listdir(resumed.selection.path)),
+        "chosen": (chosen.tier.value, chosen.step),
+        "skipped": [(s.candidate.tier.value, s.candidate.step, s.reason.value, s.detail)
+                    for s in resumed.selection.skipped],
+        "losses_equal": again == {s: losses[s] for s in again},
+        "first_loss_gap": abs(again[start + 1] - losses[start + 1]),
+        "state_equal": exact,
+    }  # fmt: skip
+
+
+def _unchecked(folder, index, name):
+    entry = index.files.get(name)
+    return None, entry.sha256 if entry is not None else "unchecked"
+
+
+def _endless(sampler):
+    while True:
+        yield from sampler
