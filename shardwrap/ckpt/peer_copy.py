@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.collectives import Communicator
+from ..comm.point_to_point import send_recv
 from .format import CheckpointError, CheckpointIndex, check_plain_name, write_atomic
 from .nodes import NodeMap
 
@@ -98,15 +99,15 @@ def _sha256(data: bytes) -> str:
 
 def _send(comm: Communicator, payload: torch.Tensor, dst: int) -> None:
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    comm.send_recv(size, None, dst_rank=dst, src_rank=None, purpose=PURPOSE)
-    comm.send_recv(payload, None, dst_rank=dst, src_rank=None, purpose=PURPOSE)
+    send_recv(comm, size, None, dst_rank=dst, src_rank=None, purpose=PURPOSE)
+    send_recv(comm, payload, None, dst_rank=dst, src_rank=None, purpose=PURPOSE)
 
 
 def _receive(comm: Communicator, src: int) -> torch.Tensor:
     size = torch.zeros(1, dtype=torch.int64)
-    comm.send_recv(None, size, dst_rank=None, src_rank=src, purpose=PURPOSE)
+    send_recv(comm, None, size, dst_rank=None, src_rank=src, purpose=PURPOSE)
     payload = torch.empty(int(size), dtype=torch.uint8)
-    comm.send_recv(None, payload, dst_rank=None, src_rank=src, purpose=PURPOSE)
+    send_recv(comm, None, payload, dst_rank=None, src_rank=src, purpose=PURPOSE)
     return payload
 
 
@@ -120,9 +121,9 @@ def copy_to_peer(
     outgoing = bundle(folder, own)
     dst, src = nodes.peer_of(rank), nodes.source_of(rank)
     sizes = torch.tensor([outgoing.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    comm.send_recv(sizes[0], sizes[1], dst_rank=dst, src_rank=src, purpose=PURPOSE)
+    send_recv(comm, sizes[0], sizes[1], dst_rank=dst, src_rank=src, purpose=PURPOSE)
     incoming = torch.empty(int(sizes[1]), dtype=torch.uint8)
-    comm.send_recv(outgoing, incoming, dst_rank=dst, src_rank=src, purpose=PURPOSE)
+    send_recv(comm, outgoing, incoming, dst_rank=dst, src_rank=src, purpose=PURPOSE)
     return unbundle(incoming, folder, index, {}, src)
 
 

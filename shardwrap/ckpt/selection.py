@@ -238,29 +238,16 @@ def _verify(folder: str, index: CheckpointIndex, name: str) -> tuple[str | None,
 # ------------------------------------------------------------------ the common verdict
 def _judge(candidate: Candidate, per_rank: list) -> Skipped | tuple[dict, dict]:
     """Skipped, or ``(holders, digests)``: the same on every rank (from every report)."""
-    with_index = [(r, rep) for r, rep in enumerate(per_rank) if rep and rep["index"]]
-    errors = [(r, rep["error"]) for r, rep in enumerate(per_rank) if rep and rep["error"]]
-    if candidate.tier is not Tier.MEMORY and errors:
-        return Skipped(
-            candidate, SkipReason.UNREADABLE_INDEX, f"rank {errors[0][0]}: {errors[0][1]}"
-        )
-    if not with_index:
-        if errors:
-            return Skipped(
-                candidate, SkipReason.UNREADABLE_INDEX, f"rank {errors[0][0]}: {errors[0][1]}"
-            )
-        return Skipped(
-            candidate, SkipReason.INCOMPLETE, f"no {INDEX_NAME} (the save did not finish)"
-        )
-    canonical = with_index[0][1]["index"]
-    agreeing = [(r, rep) for r, rep in with_index if rep["index"] == canonical]
+    agreeing = _agreeing_index(candidate, per_rank)
+    if isinstance(agreeing, Skipped):
+        return agreeing
     required = next((rep["required"] for _, rep in agreeing if rep["required"] is not None), None)
     if required is None:  # no folder's first rank read this index
         return Skipped(
             candidate, SkipReason.INCOMPLETE, f"{INDEX_NAME} seen by no folder's first rank"
         )
     holders: dict[str, list[int]] = {INDEX_NAME: [r for r, _ in agreeing]}
-    digests = {INDEX_NAME: canonical}
+    digests = {INDEX_NAME: agreeing[0][1]["index"]}
     bad: dict[str, list[str]] = {}
     for rank, rep in agreeing:
         for name, digest in rep["held"].items():
@@ -274,8 +261,23 @@ def _judge(candidate: Candidate, per_rank: list) -> Skipped | tuple[dict, dict]:
         shown = "; ".join(f"{n} ({', '.join(bad[n])})" for n in damaged[:3])
         return Skipped(candidate, SkipReason.DIGEST_MISMATCH, shown)
     if missing:
-        where = (
-            "in any surviving node's folder" if candidate.tier is Tier.MEMORY else "in the folder"
-        )
+        memory = candidate.tier is Tier.MEMORY
+        where = "in any surviving node's folder" if memory else "in the folder"
         return Skipped(candidate, SkipReason.MISSING_FILE, f"{', '.join(missing[:3])} not {where}")
     return {n: tuple(r) for n, r in holders.items()}, digests
+
+
+def _agreeing_index(candidate: Candidate, per_rank: list) -> Skipped | list[tuple[int, dict]]:
+    """The reports of the ranks that read the lowest such rank's index (a memory tier's
+    folder holding another save's index counts as holding nothing); or why none."""
+    with_index = [(r, rep) for r, rep in enumerate(per_rank) if rep and rep["index"]]
+    errors = [(r, rep["error"]) for r, rep in enumerate(per_rank) if rep and rep["error"]]
+    if errors and (candidate.tier is not Tier.MEMORY or not with_index):
+        rank, error = errors[0]
+        return Skipped(candidate, SkipReason.UNREADABLE_INDEX, f"rank {rank}: {error}")
+    if not with_index:
+        return Skipped(
+            candidate, SkipReason.INCOMPLETE, f"no {INDEX_NAME} (the save did not finish)"
+        )
+    canonical = with_index[0][1]["index"]
+    return [(r, rep) for r, rep in with_index if rep["index"] == canonical]

@@ -142,7 +142,7 @@ def _broadcast_index(comm: Communicator, folder: str) -> bytes:
     the spread then fails on every rank)."""
     data = b""
     if comm.rank == 0:
-        data = guarded(lambda: open(os.path.join(folder, INDEX_NAME), "rb").read()).value or b""
+        data = guarded(lambda: _read_bytes(os.path.join(folder, INDEX_NAME))).value or b""
     size = torch.tensor([len(data)], dtype=torch.int64)
     comm.broadcast(size, src_rank=0, purpose="checkpoint").wait()
     if comm.rank == 0:
@@ -153,6 +153,11 @@ def _broadcast_index(comm: Communicator, folder: str) -> bytes:
         comm.broadcast(buffer, src_rank=0, purpose="checkpoint").wait()
         return buffer.numpy().tobytes()
     return b""
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
 
 
 def prune_steps(root: str, step: int, keep: int) -> list[int]:

@@ -30,7 +30,6 @@ __all__ = [
     "RankDisagreementError",
 ]
 
-PEER_TAG = 1 << 20  # point-to-point transfers (send_recv); pairwise collectives tag higher
 ROOT_LABEL = "(root)"  # how records name the root module's unit (whose name is "")
 
 
@@ -219,35 +218,6 @@ class Communicator:
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.broadcast(data, src_rank=src_rank, purpose=purpose).wait()
         return pickle.loads(data.numpy().tobytes())  # noqa: S301 - from our own ranks
-
-    def send_recv(
-        self,
-        send: torch.Tensor | None,
-        recv: torch.Tensor | None,
-        *,
-        dst_rank: int | None,
-        src_rank: int | None,
-        purpose: str,
-    ) -> None:
-        """Send ``send`` (host bytes) to group rank ``dst_rank`` and receive ``recv`` from
-        ``src_rank``, both posted before either is waited for; blocks until both are done.
-
-        Point to point: only the two ranks of each transfer call it, so the collective
-        checker does not see it. A ring of ranks each sending to the next may call it all
-        at once (every receive is posted with its send). Recorded as a ``send`` of the
-        sent bytes.
-        """
-        if (send is None) != (dst_rank is None) or (recv is None) != (src_rank is None):
-            raise ValueError("send_recv: a tensor and its peer rank go together")
-        self._check_not_released()
-        works = []
-        if recv is not None:
-            works.append(dist.irecv(recv, group=self.group, group_src=src_rank, tag=PEER_TAG))
-        if send is not None:
-            self.ledger.record(CommRecord("send", purpose, _num_bytes(send), self.size))
-            works.append(dist.isend(send, group=self.group, group_dst=dst_rank, tag=PEER_TAG))
-        for work in works:
-            work.wait()
 
     def _pairwise(self, tensor: torch.Tensor) -> bool:
         """Whether to run an all-gather or reduce-scatter as pairwise exchanges.
