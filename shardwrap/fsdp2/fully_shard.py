@@ -82,6 +82,15 @@ def fully_shard(
     # where an ancestor's call finds it).
     root = build_root(target, _wrap_options(mesh, options, ignored), holder=members[0])
     del nested_roots
+    _adopt_unit(root, target, members, mesh, options)
+    for member in members:
+        as_fsdp_module(member)
+    return module
+
+
+def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options: UnitOptions):
+    """Give the call's new unit its DTensor views, its door state on every member, the
+    group and output-cast hooks, and make it the root until an ancestor's call adopts it."""
     unit = root.units[0]
     if unit.handle is not None:
         install_dtensor_views(unit.handle, mesh)
@@ -97,9 +106,6 @@ def fully_shard(
         for member in members:
             unit.add_hook_handle(cast_outputs(member, options.output_dtype))
     _start_root(root, members[0])
-    for member in members:
-        as_fsdp_module(member)
-    return module
 
 
 def _wrap_options(mesh, options: UnitOptions, ignored: frozenset) -> WrapOptions:
