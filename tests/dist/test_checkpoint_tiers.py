@@ -86,11 +86,14 @@ def test_without_peer_copies_a_lost_node_falls_back_to_disk(tmp_path):
     _resumed_exactly(result)
 
 
-def test_a_damaged_newest_step_falls_back_to_the_older_disk_step(tmp_path):
+@pytest.mark.parametrize("disk_asynchronous", [False, True])
+def test_a_damaged_newest_step_falls_back_to_the_older_disk_step(tmp_path, disk_asynchronous):
     """Every copy of rank 1's file of memory step 6 has a flipped byte: step 6 is skipped
     for its digest, naming the file, and the run resumes exactly from the disk tier's step
-    4 (memory keeps one step here). The control of the digest check is the next test."""
-    tiers = _tiers(tmp_path, memory_every=3, keep=1)  # memory: step 6 only; disk: step 4
+    4 (memory keeps one step here; the disk step saved synchronously or in the background).
+    The control of the digest check is the next test."""
+    # memory: step 6 only (3 pruned); disk: step 4
+    tiers = _tiers(tmp_path, memory_every=3, keep=1, disk_asynchronous=disk_asynchronous)
     result = _same_on_every_rank(run_ranks(run_fault_resume, 2, tiers, "corrupt_newest"))
     assert result["chosen"] == ("disk", 4), result
     ((tier, step, reason, detail),) = result["skipped"]

@@ -24,6 +24,7 @@ import shardwrap
 from shardwrap import CheckpointTiers, ResumableSampler, save_tiered
 from shardwrap.checkpoint import CheckpointError, load_newest
 from shardwrap.ckpt import selection as selection_module
+from shardwrap.ckpt.async_save import AsyncSave
 from shardwrap.ckpt.format import SHARD_FILE_PATTERN
 from shardwrap.policies import ModuleWrapPolicy
 
@@ -129,11 +130,14 @@ def run_fault_resume(
     data = _data()
     model, optim, sampler = _build(rank, world_size, init_seed=0)
     _seed_streams(100 + rank)
-    batches, losses = iter(_endless(sampler)), {}
+    batches, losses, pending = iter(_endless(sampler)), {}, None
     for step in range(1, TOTAL_STEPS + 1):
         losses[step] = _one_step(model, optim, batches, data)
         if step <= FAULT_AFTER:
-            save_tiered(tiers, step, model, optim, extra={"step": step}, sampler=sampler)
+            saved = save_tiered(tiers, step, model, optim, extra={"step": step}, sampler=sampler)
+            pending = saved.disk if isinstance(saved.disk, AsyncSave) else pending
+    if pending is not None:
+        pending.result()  # a disk save may still be written in the background
     expected = _state(model, optim)
     del model, optim
 
