@@ -52,21 +52,24 @@ def test_restart_resumes_from_the_memory_tier_bit_for_bit(tmp_path):
     _resumed_exactly(result)
 
 
-@pytest.mark.parametrize(("world_size", "ranks_per_node"), [(2, 1), (4, 2)])
-def test_a_lost_node_resumes_from_the_peer_copies(tmp_path, world_size, ranks_per_node):
-    """Node 1's memory folder deleted: node 0's folder (its own files, node 1's copies)
-    holds the whole newest step; node 1's ranks get their files from node 0 and the run
-    resumes from step 6 exactly. Negative controls: without peer copies, the next test;
+@pytest.mark.parametrize(
+    ("world_size", "ranks_per_node", "lost"), [(2, 1, 1), (4, 2, 1), (4, 2, 0)]
+)
+def test_a_lost_node_resumes_from_the_peer_copies(tmp_path, world_size, ranks_per_node, lost):
+    """One node's memory folder deleted (node 1, or node 0, where world rank 0 committed
+    the index): the other node's folder (its own files, the lost node's copies) holds the
+    whole newest step; the lost node's ranks get their files from it and the run resumes
+    from step 6 exactly. Negative controls: without peer copies, the next test;
     with the restore step off (no rank fetches what its node lacks; run once), the load
     failed on every rank at both world sizes: ``...node-00001/step-000000006/
     <id>-rank00001.run.json: missing`` (``rank00003`` at 4 ranks)."""
     tiers = _tiers(tmp_path, ranks_per_node=ranks_per_node)
-    results = run_ranks(run_fault_resume, world_size, tiers, "lose_node")
+    results = run_ranks(run_fault_resume, world_size, tiers, f"lose_node{lost}")
     result = _same_on_every_rank(results)
     assert result["chosen"] == ("memory", FAULT_AFTER) and result["skipped"] == [], result
     _resumed_exactly(result)
     # The replaced node's folder was refilled: the index and its own ranks' files.
-    for rank in range(ranks_per_node, 2 * ranks_per_node):
+    for rank in range(lost * ranks_per_node, (lost + 1) * ranks_per_node):
         held = results[rank]["folder"]
         assert "index.json" in held and any(f"rank{rank:05d}.safetensors" in n for n in held)
 
@@ -76,7 +79,7 @@ def test_without_peer_copies_a_lost_node_falls_back_to_disk(tmp_path):
     lost node's files exist nowhere, both memory steps are skipped as missing files and
     the run resumes (exactly) from the disk tier's older step 4."""
     tiers = _tiers(tmp_path, peer_copy=False)
-    result = _same_on_every_rank(run_ranks(run_fault_resume, 2, tiers, "lose_node"))
+    result = _same_on_every_rank(run_ranks(run_fault_resume, 2, tiers, "lose_node1"))
     assert result["chosen"] == ("disk", 4), result
     assert [s[:3] for s in result["skipped"]] == [
         ("memory", 6, "missing file"),

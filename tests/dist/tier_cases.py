@@ -92,8 +92,8 @@ def _data():
 def _fault(rank: int, tiers: CheckpointTiers, fault: str) -> None:
     """World rank 0 breaks the tiers as ``fault`` says; every rank waits for it."""
     if rank == 0:
-        if fault == "lose_node":  # node 1's memory is gone (its replacement starts empty)
-            shutil.rmtree(tiers.node_folder(1))
+        if fault.startswith("lose_node"):  # a node's memory is gone (its replacement: empty)
+            shutil.rmtree(tiers.node_folder(int(fault.removeprefix("lose_node"))))
         elif fault == "corrupt_newest":  # every copy of one file of the newest step
             for node in (0, 1):
                 _flip_byte(_shard_file(tiers, node, FAULT_AFTER, rank=1))
