@@ -3,8 +3,9 @@
 [Note: choosing among checkpoints]
 :func:`choose` (``newest_checkpoint`` in tiered_load.py) runs on every rank and gives
 every rank the same answer. Each rank lists the candidates it can see (the step folders
-of its node's memory-tier folder, of the disk tier, or the folders it is given) and
-verifies its share of their files:
+of its node's memory-tier folder, of the disk tier, or the folders it is given; one
+all-gather makes the union), and then, newest first, verifies its share of one
+candidate's files:
 
 * a memory-tier candidate's files in its node's folder (its own ranks' files and the
   peer copies), shared among the node's ranks;
@@ -13,16 +14,16 @@ verifies its share of their files:
 a safetensors file by its size and sha256 from the index, a run file by the digest in it
 (``run_state.read_run_file``). One all-gather of JSON reports (which index each rank
 read, which files it verified, which it found bad and why) then lets every rank make the
-same choice, newest first (a memory candidate before a disk one of the same step; given
-folders in the order given): a candidate is taken when an index was read and every file
-it names (and every rank's run file) is held verified by some rank's folder. Otherwise it
-is skipped with its reason (:class:`SkipReason`) and the files that caused it, and the
-next one is tried. Holding a file anywhere is enough: a memory-tier file lost or damaged
-on one node is brought back from a node holding a good copy before the load
+same verdict: the candidate is taken when an index was read and every file it names (and
+every rank's run file) is held verified by some rank's folder. Otherwise it is skipped
+with its reason (:class:`SkipReason`) and the files that caused it, and the next one is
+tried: newest step first, a memory candidate before a disk one of the same step, given
+folders in the order given. Holding a file anywhere is enough: a memory-tier file lost or
+damaged on one node is brought back from a node holding a good copy before the load
 (tiered_load.py).
 
-Every file of every candidate is hashed: the cost of a load grows with the tiers' sizes
-(``keep`` steps each), spread over the ranks.
+Every file of the candidates tried is hashed (spread over the ranks), and the load hashes
+the chunks it reads again.
 """
 
 from __future__ import annotations
@@ -146,27 +147,29 @@ class Locations:
 
 
 def choose(locations: Locations) -> Selection:
-    """Verify this rank's share of every candidate, agree, choose; on every rank
-    ([Note: choosing among checkpoints])."""
-    mine = {}
-    for candidate in locations.visible():
-        report = _report(candidate, locations.folder(candidate), locations.share(candidate))
-        mine[candidate.key] = [candidate.tier.value, candidate.step, candidate.where, report]
-    reports = all_gather_json(locations.comm, mine, purpose="checkpoint")
+    """Agree on the candidates, then verify them newest first until one holds; on every
+    rank ([Note: choosing among checkpoints])."""
+    comm = locations.comm
+    visible = locations.visible()
+    seen = [[c.tier.value, c.step, c.where] for c in visible]
     candidates = {}
-    for report in reports:
-        for key, (tier, step, where, _) in report.items():
-            candidates[key] = Candidate(Tier(tier), step, where)
+    for listed in all_gather_json(comm, seen, purpose="checkpoint"):
+        for tier, step, where in listed:
+            candidate = Candidate(Tier(tier), step, where)
+            candidates[candidate.key] = candidate
+    mine = {c.key for c in visible}
     skipped = []
     for candidate in sorted(candidates.values(), key=lambda c: _rank_key(c, locations.paths)):
-        per_rank = [r[candidate.key][3] if candidate.key in r else None for r in reports]
-        verdict = _judge(candidate, per_rank)
+        folder = locations.folder(candidate)
+        report = None
+        if candidate.key in mine:
+            report = _report(candidate, folder, locations.share(candidate))
+        verdict = _judge(candidate, all_gather_json(comm, report, purpose="checkpoint"))
         if isinstance(verdict, Skipped):
             skipped.append(verdict)
             continue
         holders, digests = verdict
-        path = locations.folder(candidate)
-        return Selection(candidate, tuple(skipped), path, holders, digests)
+        return Selection(candidate, tuple(skipped), folder, holders, digests)
     return Selection(None, tuple(skipped), None)
 
 

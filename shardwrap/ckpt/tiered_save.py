@@ -9,7 +9,8 @@ then three steps, each settled across ranks (a failure raises on every rank):
 2. with ``peer_copy``, every rank sends its files (its safetensors file and run file) to
    its peer on the next node (:mod:`.nodes`), which checks their digests and writes them
    into its node's folder ([Note: file bundles] in peer_copy.py);
-3. each node's first rank prunes its node's folder to the ``keep`` newest steps.
+3. each node's first rank removes files of an earlier save of the same step from its
+   node's folder, and prunes the folder to the ``keep`` newest steps.
 
 A disk-tier save is ``save_checkpoint`` into ``<disk>/step-<n>`` (asynchronous with
 ``disk_asynchronous``); world rank 0 prunes the disk tier once its index is committed
@@ -34,7 +35,14 @@ import torch
 from ..base.validate import check_int
 from ..comm.collectives import Communicator
 from .async_save import AsyncSave
-from .format import INDEX_NAME, CheckpointIndex, parse_index, shard_file_name, write_atomic
+from .format import (
+    INDEX_NAME,
+    CheckpointIndex,
+    parse_index,
+    remove_stale_files,
+    shard_file_name,
+    write_atomic,
+)
 from .nodes import NodeMap, node_map
 from .outcome import guarded, settle
 from .peer_copy import copy_to_peer
@@ -115,14 +123,19 @@ def _save_memory(tiers, step, model, optimizer, extra, sampler) -> str:
 
     spreading = guarded(spread)
     settle(comm, "save", folder, spreading.error)
+    index = spreading.value
+    assert index is not None  # settled
     if tiers.peer_copy:
-        index = spreading.value
-        assert index is not None  # settled
         own = own_files(index, comm.rank)
         copying = guarded(lambda: copy_to_peer(comm, nodes, folder, own, index))
         settle(comm, "peer copy", folder, copying.error)
-    pruning = guarded(lambda: prune_steps(root, step, tiers.keep) if leads_node else None)
-    settle(comm, "prune", root, pruning.error)
+
+    def tidy() -> None:  # files of an earlier save of this step, then older steps
+        if leads_node:
+            remove_stale_files(folder, keep=set(index.files), save_id=index.meta["save_id"])
+            prune_steps(root, step, tiers.keep)
+
+    settle(comm, "prune", root, guarded(tidy).error)
     return folder
 
 

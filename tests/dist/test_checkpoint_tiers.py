@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.harness import run_ranks
-from tests.dist.tier_cases import FAULT_AFTER, run_fault_resume
+from tests.dist.tier_cases import FAULT_AFTER, run_fault_resume, save_one_step_twice
 
 
 def _tiers(tmp_path, **changes) -> dict:
@@ -125,3 +125,14 @@ def test_one_damaged_copy_is_replaced_from_the_other_node(tmp_path):
     )
     assert result["chosen"] == ("memory", FAULT_AFTER) and result["skipped"] == [], result
     _resumed_exactly(result)
+
+
+def test_saving_a_step_again_leaves_one_save_in_every_node_folder(tmp_path):
+    """World rank 0's commit removes the earlier save's files on its own node only; every
+    other node's first rank removes them from its node's folder. Negative control (run
+    once): without that removal node 1's folder held 9 files, the index and both saves'
+    4 (2 save ids)."""
+    folders = run_ranks(save_one_step_twice, 2, _tiers(tmp_path))
+    for held in folders:
+        assert len(held) == 5, held  # the index, 2 ranks' safetensors and run files
+        assert len({n.split("-")[0] for n in held if n != "index.json"}) == 1, held

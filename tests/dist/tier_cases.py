@@ -178,3 +178,12 @@ def _unchecked(folder, index, name):
 def _endless(sampler):
     while True:
         yield from sampler
+
+
+def save_one_step_twice(rank: int, world_size: int, tiers_kwargs: dict) -> list[str]:
+    """Save step 2 of the memory tier twice; this rank's node folder of it afterwards."""
+    tiers = CheckpointTiers(**tiers_kwargs)
+    model, optim, sampler = _build(rank, world_size, init_seed=0)
+    for _ in range(2):
+        save_tiered(tiers, 2, model, optim, sampler=sampler)
+    return sorted(os.listdir(os.path.join(tiers.node_folder(rank), f"step-{2:09d}")))

@@ -155,3 +155,16 @@ def test_folders_are_tried_in_order_and_skips_say_why(one_rank, tmp_path):
         load_newest([unfinished, damaged], fresh, fresh_optim)
     with pytest.raises(TypeError, match="^path: "):
         load_newest([good, 3], fresh, fresh_optim)
+
+
+def test_a_rolled_back_run_replaces_the_steps_after_it(one_rank, tmp_path):
+    """Saving step 3 after step 5 (a run resumed from an older checkpoint) removes steps 4
+    and 5: a later load must not prefer them. Negative control (run once): with
+    ``prune_steps`` keeping the steps after the one saved, steps 4 and 5 stayed
+    (``[3, 4, 5]``)."""
+    tiers = CheckpointTiers(memory=str(tmp_path / "shm"), peer_copy=False, keep=2)
+    model, optim = _trained(1)
+    for step in (4, 5):
+        save_tiered(tiers, step, model, optim)
+    save_tiered(tiers, 3, model, optim)
+    assert sorted(saved_steps(tiers.node_folder(0))) == [3]
