@@ -40,19 +40,35 @@ class Transfer:
 
 
 def bundle(folder: str, names: list[str]) -> torch.Tensor:
-    """The files ``names`` of ``folder`` as one bundle ([Note: file bundles])."""
-    blobs, entries, error = [], [], None
+    """The files ``names`` of ``folder`` as one bundle ([Note: file bundles]), read
+    straight into it: one copy of the files in memory."""
     try:
-        for name in names:
-            with open(os.path.join(folder, name), "rb") as handle:
-                data = handle.read()
-            blobs.append(data)
-            entries.append({"name": name, "size": len(data), "sha256": _sha256(data)})
+        # A digest is 64 hex digits, so the manifest's length is known before they are.
+        entries = [
+            {"name": n, "size": os.path.getsize(os.path.join(folder, n)), "sha256": "0" * 64}
+            for n in names
+        ]
+        head_bytes = len(_manifest(entries, None))
+        payload = torch.empty(head_bytes + sum(e["size"] for e in entries), dtype=torch.uint8)
+        view = memoryview(payload.numpy()).cast("B")
+        position = head_bytes
+        for entry in entries:
+            chunk = view[position : position + entry["size"]]
+            with open(os.path.join(folder, entry["name"]), "rb") as handle:
+                if handle.readinto(chunk) != entry["size"]:
+                    raise OSError(f"{entry['name']} changed size while it was read")
+            entry["sha256"] = hashlib.sha256(chunk).hexdigest()
+            position += entry["size"]
     except OSError as exc:
-        blobs, entries, error = [], [], f"{type(exc).__name__}: {exc}"
-    manifest = json.dumps({"files": entries, "error": error}).encode("ascii")
-    raw = len(manifest).to_bytes(LENGTH_BYTES, "little") + manifest + b"".join(blobs)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        failed = _manifest([], f"{type(exc).__name__}: {exc}")
+        return torch.frombuffer(bytearray(failed), dtype=torch.uint8)
+    view[:head_bytes] = _manifest(entries, None)
+    return payload
+
+
+def _manifest(entries: list[dict], error: str | None) -> bytes:
+    text = json.dumps({"files": entries, "error": error}).encode("ascii")
+    return len(text).to_bytes(LENGTH_BYTES, "little") + text
 
 
 def unbundle(
@@ -78,12 +94,12 @@ def unbundle(
     for entry in manifest["files"]:
         name, size = entry["name"], int(entry["size"])
         check_plain_name(folder, name)
-        data = bytes(raw[position : position + size])
+        data = raw[position : position + size]
         position += size
         digests = {entry["sha256"], expected.get(name, entry["sha256"])}
         if index is not None and name in index.files:
             digests.add(index.files[name].sha256)
-        if digests != {_sha256(data)}:
+        if digests != {hashlib.sha256(data).hexdigest()}:
             raise CheckpointError(
                 f"file {name!r} from rank {src}: sha256 mismatch (the copy is corrupt); "
                 f"not written to {folder}"
@@ -91,10 +107,6 @@ def unbundle(
         write_atomic(folder, name, data)
         written.append(name)
     return written
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _send(comm: Communicator, payload: torch.Tensor, dst: int) -> None:
