@@ -36,12 +36,18 @@ def send_recv(
         raise ValueError("send_recv: a tensor and its peer rank go together")
     if comm.group is None:
         raise ValueError("send_recv: a group of one rank has no peer")
+    # A backend without host transport (plain nccl) moves copies on the accelerator
+    # ([Note: host tensors on accelerator-only backends] in collectives.py).
+    staged_recv = comm._stage(recv) if recv is not None else None
     works = []
-    if recv is not None:
-        works.append(dist.irecv(recv, group=comm.group, group_src=src_rank, tag=PEER_TAG))
+    if staged_recv is not None:
+        works.append(dist.irecv(staged_recv, group=comm.group, group_src=src_rank, tag=PEER_TAG))
     if send is not None:
         num_bytes = send.numel() * send.element_size()
         comm.ledger.record(CommRecord("send", purpose, num_bytes, comm.size))
-        works.append(dist.isend(send, group=comm.group, group_dst=dst_rank, tag=PEER_TAG))
+        staged = comm._stage(send)
+        works.append(dist.isend(staged, group=comm.group, group_dst=dst_rank, tag=PEER_TAG))
     for work in works:
         work.wait()
+    if staged_recv is not None and staged_recv is not recv:
+        recv.copy_(staged_recv)
