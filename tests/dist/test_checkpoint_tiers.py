@@ -13,7 +13,12 @@ from __future__ import annotations
 import pytest
 
 from tests.dist.harness import run_ranks
-from tests.dist.tier_cases import FAULT_AFTER, run_fault_resume, save_one_step_twice
+from tests.dist.tier_cases import (
+    FAULT_AFTER,
+    peer_traffic,
+    run_fault_resume,
+    save_one_step_twice,
+)
 
 
 def _tiers(tmp_path, **changes) -> dict:
@@ -136,3 +141,17 @@ def test_saving_a_step_again_leaves_one_save_in_every_node_folder(tmp_path):
     for held in folders:
         assert len(held) == 5, held  # the index, 2 ranks' safetensors and run files
         assert len({n.split("-")[0] for n in held if n != "index.json"}) == 1, held
+
+
+@pytest.mark.parametrize(("world_size", "ranks_per_node"), [(2, 1), (4, 2)])
+def test_a_rank_sends_its_own_files_once(tmp_path, world_size, ranks_per_node):
+    """The peer copy of a memory-tier save: each rank sends one bundle to one peer, its
+    size (8 bytes) then its own safetensors and run files with a manifest of under 1 KiB;
+    nothing grows with the world size. Negative control (run once): bundling every file
+    of the rank's node folder instead failed at both sizes: at 2 ranks the bundle carried
+    the index too (23857 bytes sent for 21449 of own files), at 4 ranks two ranks sent the
+    same files to one node and their writes collided (``FileNotFoundError``)."""
+    tiers = _tiers(tmp_path, ranks_per_node=ranks_per_node)
+    for result in run_ranks(peer_traffic, world_size, tiers):
+        size, payload = result["sends"]
+        assert size == 8 and 0 < payload - result["own_bytes"] < 1024, result

@@ -187,3 +187,16 @@ def save_one_step_twice(rank: int, world_size: int, tiers_kwargs: dict) -> list[
     for _ in range(2):
         save_tiered(tiers, 2, model, optim, sampler=sampler)
     return sorted(os.listdir(os.path.join(tiers.node_folder(rank), f"step-{2:09d}")))
+
+
+def peer_traffic(rank: int, world_size: int, tiers_kwargs: dict) -> dict:
+    """One memory-tier save: the bytes this rank sent for the peer copy, and its files."""
+    tiers = CheckpointTiers(**tiers_kwargs)
+    model, optim, sampler = _build(rank, world_size, init_seed=0)
+    ledger = model.comm_ledger
+    before = ledger.num_recorded
+    saved = save_tiered(tiers, tiers.memory_every, model, optim, sampler=sampler)
+    assert saved.memory is not None and saved.disk is None, saved
+    sends = [r.num_bytes for r in ledger.recorded_since(before) if r.kind == "send"]
+    own = [n for n in os.listdir(saved.memory) if f"-rank{rank:05d}." in n]
+    return {"sends": sends, "own_bytes": sum(os.path.getsize(os.path.join(saved.memory, n)) for n in own)}
