@@ -58,9 +58,9 @@ def load_checkpoint(
     restore_rng: bool = True,
 ) -> Any:
     """:func:`~shardwrap.ckpt.loading.load_checkpoint` of one folder, or of the newest good
-    checkpoint among several (a ``CheckpointTiers``, or folders, preferred first); the
-    choice and every skipped candidate are logged (logger ``shardwrap.checkpoint``) on
-    world rank 0. Returns the checkpoint's ``extra``."""
+    checkpoint among several (a ``CheckpointTiers``, or folders, preferred first); world
+    rank 0 logs the choice (logger ``shardwrap.checkpoint``: at INFO, or at WARNING with
+    every skipped candidate and its reason). Returns the checkpoint's ``extra``."""
     if isinstance(path, str | os.PathLike):
         return loading.load_checkpoint(
             path, model, optimizer, strict=strict, sampler=sampler, restore_rng=restore_rng
@@ -84,11 +84,9 @@ def load_newest(
     slots = model_slots(model)
     selection = newest_checkpoint(locations, model)
     comm = slots.world_comm
-    if comm.rank == 0:
-        for skipped in selection.skipped:
-            logger.warning("load_checkpoint: %s", skipped)
-        if selection.chosen is not None:
-            logger.info("load_checkpoint: took %s", selection.chosen)
+    if comm.rank == 0:  # a skip is news (printed even where logging is not set up)
+        level = logging.WARNING if selection.skipped else logging.INFO
+        logger.log(level, "load_checkpoint: %s", selection.describe())
     if selection.chosen is None:
         raise CheckpointError(f"load_checkpoint: no loadable checkpoint: {selection.describe()}")
     if selection.chosen.tier is Tier.MEMORY:

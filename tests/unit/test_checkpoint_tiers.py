@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwrap import CheckpointTiers, ShardedModule, save_checkpoint, save_tiered
+from shardwrap import CheckpointTiers, ShardedModule, load_checkpoint, save_checkpoint, save_tiered
 from shardwrap.checkpoint import CheckpointError, load_newest, newest_checkpoint
 from shardwrap.ckpt.format import SHARD_FILE_PATTERN, read_index
 from shardwrap.ckpt.nodes import NodeMap
@@ -111,7 +111,9 @@ def test_peer_copy_on_one_node_is_refused(one_rank, tmp_path):
 
 
 def test_one_rank_tiers_prune_and_resume_from_the_newest(one_rank, tmp_path):
-    """Memory every step (keep 2), disk every 2 steps: the newest memory step is taken."""
+    """Memory every step (keep 2), disk every 2 steps (keep 2): the newest memory step is
+    taken and loads exactly (the multi-rank cases, with their controls, are in
+    tests/dist/test_checkpoint_tiers.py)."""
     tiers = CheckpointTiers(
         memory=str(tmp_path / "shm"), disk=str(tmp_path / "disk"), disk_every=2, peer_copy=False
     )
@@ -133,7 +135,10 @@ def test_one_rank_tiers_prune_and_resume_from_the_newest(one_rank, tmp_path):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
 
 
-def test_folders_are_tried_in_order_and_skips_say_why(one_rank, tmp_path):
+def test_folders_are_tried_in_order_and_skips_say_why(one_rank, tmp_path, caplog):
+    """An unfinished folder and a damaged one are skipped, each with its reason, and the
+    load says so. Negative control (run once): without the sha256 comparison the damaged
+    folder was taken (``took folder (.../damaged)``)."""
     model, optim = _trained(2)
     good, damaged, unfinished = (str(tmp_path / n) for n in ("good", "damaged", "unfinished"))
     save_checkpoint(good, model, optim, extra="good")
@@ -149,7 +154,13 @@ def test_folders_are_tried_in_order_and_skips_say_why(one_rank, tmp_path):
     assert reasons == [(unfinished, "incomplete"), (damaged, "digest mismatch")]
     assert name in selection.skipped[1].detail
     fresh, fresh_optim = _trained(0)
-    assert load_newest([unfinished, damaged, good], fresh, fresh_optim).extra == "good"
+    with caplog.at_level("WARNING", logger="shardwrap.checkpoint"):
+        assert load_checkpoint([unfinished, damaged, good], fresh, fresh_optim) == "good"
+    (logged,) = caplog.records
+    assert logged.getMessage().startswith(f"load_checkpoint: took folder ({good}); skipped"), (
+        logged.getMessage()
+    )
+    assert "incomplete" in logged.getMessage() and "digest mismatch" in logged.getMessage()
     read_index(good)  # untouched
     with pytest.raises(CheckpointError, match="no loadable checkpoint.*skipped folder"):
         load_newest([unfinished, damaged], fresh, fresh_optim)
