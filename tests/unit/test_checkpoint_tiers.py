@@ -37,6 +37,8 @@ from tests.dist import parity
     ],
 )
 def test_invalid_options_name_the_argument(kwargs, error, argument):
+    """Negative control (run once): without ``keep``'s check, ``keep=0`` was accepted
+    (``DID NOT RAISE ValueError``)."""
     with pytest.raises(error, match=f"^{argument}"):
         CheckpointTiers(**kwargs)
 
@@ -50,6 +52,8 @@ def test_options_are_frozen_and_take_paths():
 
 @pytest.mark.parametrize(("world_size", "per_node"), [(2, 1), (4, 2), (6, 3), (8, 2)])
 def test_every_rank_has_one_peer_on_another_node(world_size, per_node):
+    """Negative control (run once): a peer at ``rank + 1`` was on the same node at 4, 6
+    and 8 ranks (rank 0's peer 1 on node 0)."""
     nodes = NodeMap(world_size, per_node)
     peers = [nodes.peer_of(r) for r in range(world_size)]
     assert sorted(peers) == list(range(world_size))  # a permutation: one copy each
@@ -73,6 +77,8 @@ def test_pruning_keeps_the_step_and_the_newest_before_it(tmp_path):
 
 
 def test_a_bundle_writes_its_files_only_when_their_digests_hold(tmp_path):
+    """Negative control (run once): without the receiver's digest comparison the damaged
+    copy was written (``DID NOT RAISE CheckpointError``)."""
     source, target = tmp_path / "a", tmp_path / "b"
     source.mkdir()
     (source / "x.bin").write_bytes(b"hello" * 100)
