@@ -72,9 +72,9 @@ def test_a_lost_node_resumes_from_the_peer_copies(tmp_path, world_size, ranks_pe
     the lost node's ranks get their files from them (at 3 nodes, from two nodes) and the
     run resumes from step 6 exactly. Negative controls: without peer copies, the next test;
     with the restore step off (no rank fetches what its node lacks; run once), the load
-    failed on every rank in each case: ``...node-00001/step-000000006/
-    <id>-rank00001.run.json: missing`` (``rank00003`` at 4 ranks; at 3 ranks the first
-    missing was rank 0's safetensors file)."""
+    failed on every rank in each case, naming a file of the lost node's folder:
+    ``...node-<lost>/step-000000006/<id>-rank<r>.run.json: missing`` for one of its ranks
+    ``r`` (at 3 ranks the first missing was rank 0's safetensors file)."""
     tiers = _tiers(tmp_path, ranks_per_node=ranks_per_node)
     results = run_ranks(run_fault_resume, world_size, tiers, f"lose_node{lost}")
     result = _same_on_every_rank(results)
