@@ -57,7 +57,12 @@ def node_map(comm: Communicator, ranks_per_node: int | None) -> NodeMap:
     (one small all-gather; the same answer on every rank)."""
     if ranks_per_node is not None:
         return NodeMap(comm.size, ranks_per_node)
-    hosts = all_gather_json(comm, socket.gethostname(), purpose="checkpoint")
+    return nodes_of_hosts(all_gather_json(comm, socket.gethostname(), purpose="checkpoint"))
+
+
+def nodes_of_hosts(hosts: list[str]) -> NodeMap:
+    """The nodes of ranks whose host names (by world rank) are ``hosts``: they must form
+    equal blocks of consecutive ranks, one block per host."""
     blocks = [hosts[0]]
     for host in hosts[1:]:
         if host != blocks[-1]:
@@ -68,4 +73,4 @@ def node_map(comm: Communicator, ranks_per_node: int | None) -> NodeMap:
             "ranks_per_node: the ranks' host names do not form equal blocks of consecutive "
             f"ranks ({hosts}); pass ranks_per_node explicitly"
         )
-    return NodeMap(comm.size, comm.size // len(blocks))
+    return NodeMap(len(hosts), len(hosts) // len(blocks))

@@ -12,7 +12,7 @@ import torch
 from shardwrap import CheckpointTiers, ShardedModule, load_checkpoint, save_checkpoint, save_tiered
 from shardwrap.checkpoint import CheckpointError, load_newest, newest_checkpoint
 from shardwrap.ckpt.format import SHARD_FILE_PATTERN, read_index
-from shardwrap.ckpt.nodes import NodeMap
+from shardwrap.ckpt.nodes import NodeMap, nodes_of_hosts
 from shardwrap.ckpt.peer_copy import bundle, unbundle
 from shardwrap.ckpt.tier_options import saved_steps
 from shardwrap.ckpt.tiered_save import prune_steps
@@ -61,6 +61,16 @@ def test_every_rank_has_one_peer_on_another_node(world_size, per_node):
         assert nodes.node_of(peer) != nodes.node_of(rank)
         assert nodes.source_of(peer) == rank
         assert nodes.local_index(peer) == nodes.local_index(rank)
+
+
+def test_nodes_are_found_from_host_names():
+    """Ranks of one host must be consecutive. Negative control (run once): grouping by
+    host name alone took ``a b a b`` for 2 nodes of 2 (``DID NOT RAISE ValueError``)."""
+    assert nodes_of_hosts(["a", "a", "b", "b"]) == NodeMap(4, 2)
+    assert nodes_of_hosts(["x"]) == NodeMap(1, 1)
+    for hosts in (["a", "b", "a", "b"], ["a", "a", "b"], ["a", "a", "b", "b", "a", "a"]):
+        with pytest.raises(ValueError, match="^ranks_per_node: .* pass ranks_per_node"):
+            nodes_of_hosts(hosts)
 
 
 def test_nodes_must_tile_the_world():
