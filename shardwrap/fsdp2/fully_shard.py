@@ -24,9 +24,14 @@ from ..assemble.root import ShardRoot, is_root
 from ..assemble.wrap_options import WrapOptions
 from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
-from ..options import ShardingStrategy
+from ..options import CommQuantization, ShardingStrategy
 from .dtensor_views import install_dtensor_views
-from .fully_shard_args import UnitOptions, check_offload_mesh, parse_options
+from .fully_shard_args import (
+    UnitOptions,
+    check_offload_mesh,
+    parse_options,
+    resolve_reshard_size,
+)
 from .group_hooks import register_group_hooks
 from .meta_init import materialize_meta
 from .module import as_fsdp_module
@@ -75,6 +80,7 @@ def fully_shard(
     device = next((p.device for p in target.parameters()), None)
     mesh = data_parallel_mesh(mesh, device.type if device is not None else "cpu")
     check_offload_mesh(options, mesh.device_type)
+    options = resolve_reshard_size(options, mesh.shape[-1])
     ignored = options.ignored_params | _left_out_below(target)
     # Alive until build_root adopts their units (the registry holds roots weakly).
     nested_roots = _release_nested(target)
@@ -117,10 +123,18 @@ def _wrap_options(mesh, options: UnitOptions, ignored: frozenset) -> WrapOptions
         mixed_precision=options.mixed_precision,
         cpu_offload=options.cpu_offload,
         ignored_params=ignored,
+        comm_quantization=_reshard_groups(options),
         device_mesh=mesh,
         layout=ShardLayout.DIM0_CHUNKS,
         fsdp1_units=False,
     )
+
+
+def _reshard_groups(options: UnitOptions) -> CommQuantization | None:
+    """hpZ for an int ``reshard_after_forward`` ([Note: FSDP2's reshard to a smaller world])."""
+    if options.reshard_group_size is None:
+        return None
+    return CommQuantization(hpz_partition_size=options.reshard_group_size)
 
 
 def _master_dtype(members: list[nn.Module]):

@@ -36,6 +36,16 @@ the engine's ``CPUOffload(offload_params=True, pin_memory=...)`` for that call's
 refused naming it. The engine computes on the parameters' device, which FSDP2 requires
 to be the CPU under offload, so only a CPU mesh is accepted (``check_offload_mesh``).
 
+[Note: FSDP2's reshard to a smaller world]
+``reshard_after_forward=k`` (an int) asks FSDP2 to keep, after forward, a 1/k share of the
+gathered parameters on each rank of a group of k consecutive ranks of the shard mesh
+(``mesh.view(-1, k)``), so backward all-gathers inside that group instead of the whole
+shard group; k must divide the shard mesh's size; k equal to it is True, and k = 1 is
+False (torch warns that it means no resharding). That is the engine's hpZ: the unit's
+``CommQuantization(hpz_partition_size=k)`` keeps the same share (its secondary shard) of
+the same consecutive ranks and gathers it back in backward, moving the same bytes. The
+values an all-gather returns do not depend on the group, so the numbers are FSDP2's.
+
 [Note: FSDP2's ignored_params]
 FSDP2 leaves a call's ``ignored_params`` as they are: plain parameters (no DTensors), not
 sharded, not moved to the mesh's device, their gradients not reduced (each rank keeps its
@@ -47,6 +57,8 @@ set, and the parameters a nested call left out (``fully_shard._left_out_below``)
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +77,12 @@ class UnitOptions:
     """What one ``fully_shard`` call asks of its unit."""
 
     # True/False as given; None: FSDP2's default, decided once the root is known
-    # (False for the root, which backward needs first, True for every other unit).
-    reshard_after_forward: bool | None
+    # (False for the root, which backward needs first, True for every other unit); an int
+    # until the mesh is known (``resolve_reshard_size``).
+    reshard_after_forward: bool | int | None
+    # Resharded after forward to groups of this many ranks ([Note: FSDP2's reshard to a
+    # smaller world]); None: to the whole shard group, or not at all.
+    reshard_group_size: int | None = None
     # The engine's record of mp_policy ([Note: FSDP2's mixed precision on the engine]);
     # None: the default policy (compute, gather and reduce in the parameters' dtype).
     mixed_precision: MixedPrecision | None = None
@@ -89,13 +105,11 @@ def parse_options(
     master_dtype: torch.dtype = torch.float32,
 ) -> UnitOptions:
     """Check ``fully_shard``'s keyword arguments (errors name the argument)."""
-    if reshard_after_forward is not None:
-        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"reshard_after_forward={reshard_after_forward}: resharding to a smaller "
-                f"world (an int) {NOT_YET}; pass True, False or None"
-            )
-        check_bool("reshard_after_forward", reshard_after_forward)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(
+            "reshard_after_forward: expected a bool, an int (the group size to reshard to) "
+            f"or None, got {reshard_after_forward!r}"
+        )
     if shard_placement_fn is not None:
         raise ValueError(
             f"shard_placement_fn {NOT_YET}: parameters are sharded on dim 0 (Shard(0)); pass None"
@@ -194,3 +208,26 @@ def check_offload_mesh(options: UnitOptions, mesh_device_type: str) -> None:
             "(only a CPU mesh); use shardwrap.ShardedModule(cpu_offload="
             "CPUOffload(offload_params=True)) for host shards with accelerator compute"
         )
+
+
+def resolve_reshard_size(options: UnitOptions, shard_size: int) -> UnitOptions:
+    """``options`` with an int ``reshard_after_forward`` settled against the shard mesh's
+    size ``shard_size`` ([Note: FSDP2's reshard to a smaller world])."""
+    size = options.reshard_after_forward
+    if size is None or isinstance(size, bool):
+        return options
+    if size < 1 or size > shard_size or shard_size % size:
+        raise ValueError(
+            f"reshard_after_forward={size}: an int must be a factor of {shard_size} (the "
+            "shard mesh's size): the size of the groups to reshard to"
+        )
+    if size == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (an int) keeps the gathered parameters after forward, "
+            "as reshard_after_forward=False does; pass False",
+            stacklevel=3,
+        )
+        return dataclasses.replace(options, reshard_after_forward=False)
+    if size == shard_size:
+        return dataclasses.replace(options, reshard_after_forward=True)
+    return dataclasses.replace(options, reshard_after_forward=True, reshard_group_size=size)

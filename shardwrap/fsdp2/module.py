@@ -41,6 +41,19 @@ def _unit(module: nn.Module) -> Unit:
     return state.unit
 
 
+def _prefetch_targets(name: str, modules: object) -> tuple[Unit, ...]:
+    """The units of ``modules`` (a list of modules ``fully_shard`` was called on)."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of FSDPModules, got {type(modules).__name__}")
+    for module in modules:
+        if not isinstance(module, nn.Module) or state_of(module) is None:
+            raise TypeError(
+                f"{name}: expected FSDPModules (modules fully_shard was called on), got "
+                f"{type(module).__name__}"
+            )
+    return tuple(_unit(module) for module in modules)
+
+
 def _refused(name: str, why: str):
     def method(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"FSDPModule.{name} is not yet supported by shardwrap: {why}")
@@ -114,9 +127,19 @@ class FSDPModule:
         finally:
             handle.show_params(handle.shard_params)
 
-    _order = "shardwrap prefetches the next unit in forward and backward order by itself"
-    set_modules_to_forward_prefetch = _refused("set_modules_to_forward_prefetch", _order)
-    set_modules_to_backward_prefetch = _refused("set_modules_to_backward_prefetch", _order)
+    def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
+        """Issue the all-gathers of ``modules`` (FSDPModules, in order) once this module
+        is gathered for forward, instead of the schedule's choice ([Note: explicit
+        prefetch] in runtime/schedule.py)."""
+        targets = _prefetch_targets("set_modules_to_forward_prefetch", modules)
+        _unit(self).set_prefetch_targets(forward=True, targets=targets)  # type: ignore[arg-type]
+
+    def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
+        """Issue the all-gathers of ``modules`` (FSDPModules, in order) once this module
+        is gathered for backward, instead of the next unit in backward order ([Note:
+        explicit prefetch] in runtime/schedule.py)."""
+        targets = _prefetch_targets("set_modules_to_backward_prefetch", modules)
+        _unit(self).set_prefetch_targets(forward=False, targets=targets)  # type: ignore[arg-type]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's unit's summed gradients by ``factor`` instead of the mesh

@@ -112,6 +112,12 @@ class Script:
     # the root's call the gate's weight and bias (so the root's call must leave out what a
     # block's call left out, as FSDP2's does); they stay plain, unreduced parameters.
     ignored: bool = False
+    # torch's FSDP2 example's explicit prefetch: the root prefetches block 0 in forward,
+    # each block the next in forward and the previous in backward.
+    explicit_prefetch: bool = False
+    # The blocks' calls' reshard_after_forward (an int: reshard to groups of that many
+    # ranks after forward); None: FSDP2's default.
+    block_reshard: bool | int | None = None
 
 
 def mp_policies(script: Script) -> tuple[dict, dict]:
@@ -123,6 +129,8 @@ def mp_policies(script: Script) -> tuple[dict, dict]:
         if offload == "cpu":
             kw["offload_policy"] = torch_fsdp.CPUOffloadPolicy(pin_memory=False)
         keywords.append(kw)
+    if script.block_reshard is not None:
+        keywords[0]["reshard_after_forward"] = script.block_reshard
     return tuple(keywords)
 
 
@@ -142,6 +150,8 @@ def run_script(
             shard([block.up, block.down], mesh=mesh, **block_kw)
         shard(block, mesh=mesh, **block_kw)
     shard(model, mesh=mesh, **root_kw)
+    if script.explicit_prefetch:
+        _set_explicit_prefetch(model)
     if script.sum_gradients:
         for module in model.modules():
             if isinstance(module, (torch_fsdp.FSDPModule, shardwrap.FSDPModule)):
@@ -170,6 +180,14 @@ def run_script(
         record.losses.append(float(loss.detach()))
         _read(model, record)
     return record
+
+
+def _set_explicit_prefetch(model: TinyModel) -> None:
+    blocks = list(model.blocks)
+    model.set_modules_to_forward_prefetch(blocks[:1])
+    for index, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 2])
+        block.set_modules_to_backward_prefetch(blocks[max(index - 1, 0) : index])
 
 
 def _plain(value: torch.Tensor) -> torch.Tensor:

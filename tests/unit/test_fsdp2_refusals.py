@@ -98,7 +98,6 @@ def test_unsynced_accumulation_in_another_dtype_than_fsdp2s_is_refused():
 @pytest.mark.parametrize(
     ("argument", "value", "error"),
     [
-        ("reshard_after_forward", 2, ValueError),
         ("reshard_after_forward", "yes", TypeError),
         ("shard_placement_fn", lambda p: None, ValueError),
         ("mp_policy", MixedPrecisionPolicy(torch.float16, torch.float16), ValueError),
@@ -140,6 +139,8 @@ REFUSED = [
         "set_gradient_divide_factor",
         "set_reduce_scatter_divide_factor",
         "set_force_sum_reduction_for_comms",
+        "set_modules_to_forward_prefetch",
+        "set_modules_to_backward_prefetch",
     )
 ]
 
