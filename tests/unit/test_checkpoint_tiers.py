@@ -16,6 +16,7 @@ from shardwrap.ckpt.nodes import NodeMap, nodes_of_hosts
 from shardwrap.ckpt.peer_copy import bundle, unbundle
 from shardwrap.ckpt.tier_options import saved_steps
 from shardwrap.ckpt.tiered_save import prune_steps
+from shardwrap.comm.ledger import CommRecord
 from tests import models
 from tests.dist import parity
 
@@ -195,3 +196,10 @@ def test_a_rolled_back_run_replaces_the_steps_after_it(one_rank, tmp_path):
         save_tiered(tiers, step, model, optim)
     save_tiered(tiers, 3, model, optim)
     assert sorted(saved_steps(tiers.node_folder(0))) == [3]
+
+
+def test_a_send_moves_all_its_bytes():
+    """The peer copy's records (``send``) count every byte on the wire, not a ring's
+    (N-1)/N. Negative control (run once): without the ``send`` case, 1000 bytes in a
+    group of 4 counted 750."""
+    assert CommRecord("send", "checkpoint_peer", 1000, 4).wire_bytes == 1000
