@@ -43,6 +43,8 @@ class CheckpointTiers:
     """Send every rank's memory-tier files to a rank of the next node (needs 2 nodes)."""
     ranks_per_node: int | None = None
     """Ranks per node; ``None``: ranks that report the same host name share a node."""
+    memory_asynchronous: bool = False
+    """Save the memory tier (and send the peer copies) in the background."""
     disk_asynchronous: bool = False
     """Save the disk tier with ``save_checkpoint(..., asynchronous=True)``."""
 
@@ -61,6 +63,7 @@ class CheckpointTiers:
         check_int("disk_every", self.disk_every, minimum=1)
         check_int("keep", self.keep, minimum=1)
         check_bool("peer_copy", self.peer_copy)
+        check_bool("memory_asynchronous", self.memory_asynchronous)
         check_bool("disk_asynchronous", self.disk_asynchronous)
         if self.ranks_per_node is not None:
             check_int("ranks_per_node", self.ranks_per_node, minimum=1)

@@ -2,7 +2,9 @@
 
 A memory-tier save is ``save_checkpoint`` into this node's folder
 ``<memory>/node-<k>/step-<n>`` (world rank 0 commits the index into its own node's),
-then three steps, each settled across ranks (a failure raises on every rank):
+then three steps on the save's group (its ``after_save``: in the background for an
+asynchronous save, with ``memory_asynchronous``), each settled across ranks (a failure
+raises on every rank, or from every rank's ``result()``):
 
 1. world rank 0 broadcasts the index's bytes; every other node's first rank writes them
    into its node's folder, so each node's folder is a checkpoint folder of its own;
@@ -56,7 +58,8 @@ from .tier_options import CheckpointTiers, saved_steps, step_folder
 class TierSaves:
     """What one ``save_tiered`` call saved (``None``: that tier was not due)."""
 
-    memory: str | None  # this rank's node folder of the step, copies written
+    memory: str | AsyncSave | None  # this rank's node folder of the step (copies written),
+    # or the handle of its asynchronous save (copies written before its result())
     disk: str | AsyncSave | None  # the disk folder, or the handle of its asynchronous save
 
 
@@ -106,13 +109,29 @@ def memory_nodes(tiers: CheckpointTiers, comm: Communicator) -> NodeMap:
     return nodes
 
 
-def _save_memory(tiers, step, model, optimizer, extra, sampler) -> str:
+def _save_memory(tiers, step, model, optimizer, extra, sampler) -> str | AsyncSave:
     comm = model_slots(model).world_comm
     nodes = memory_nodes(tiers, comm)
+    folder = step_folder(tiers.node_folder(nodes.node_of(comm.rank)), step)
+    handle = save_checkpoint(
+        folder,
+        model,
+        optimizer,
+        extra=extra,
+        sampler=sampler,
+        asynchronous=tiers.memory_asynchronous,
+        after_save=functools.partial(_spread_and_copy, tiers, nodes, step),
+    )
+    return folder if handle is None else handle
+
+
+def _spread_and_copy(tiers: CheckpointTiers, nodes: NodeMap, step: int, comm: Communicator) -> None:
+    """After the save of ``step`` into every node's folder: steps 1-3 of the module's
+    docstring, on the save's group ``comm`` (the background one for an asynchronous save;
+    its ranks are the world's)."""
     node = nodes.node_of(comm.rank)
     root = tiers.node_folder(node)
     folder = step_folder(root, step)
-    save_checkpoint(folder, model, optimizer, extra=extra, sampler=sampler)
     raw = _broadcast_index(comm, folder)
     leads_node = nodes.local_index(comm.rank) == 0
 
@@ -136,7 +155,6 @@ def _save_memory(tiers, step, model, optimizer, extra, sampler) -> str:
             prune_steps(root, step, tiers.keep)
 
     settle(comm, "prune", root, guarded(tidy).error)
-    return folder
 
 
 def own_files(index: CheckpointIndex, rank: int) -> list[str]:

@@ -45,18 +45,24 @@ def _resumed_exactly(result: dict) -> None:
     assert result["losses_equal"] and result["state_equal"], result
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_restart_resumes_from_the_memory_tier_bit_for_bit(tmp_path, world_size):
+@pytest.mark.parametrize(("world_size", "background"), [(2, False), (3, False), (2, True)])
+def test_restart_resumes_from_the_memory_tier_bit_for_bit(tmp_path, world_size, background):
     """A worker restart with the memory tier intact resumes from its newest step (6, not
     the disk tier's 4). At 3 ranks (3 nodes of 1) a node's folder lacks a file its rank
-    reads (rank 0's, which holds the optimizer's scalar state) and gets it first; without
+    reads (rank 0's, which holds the optimizer's scalar state) and gets it first. With
+    ``background``, both tiers are saved asynchronously (peer copies included; a control,
+    run once: with ``after_save`` skipped on the background thread, no index reached node
+    1 and the load fell back to the disk tier's step 4, memory steps skipped as missing
+    files; the same in the lost-node test's background case). Without
     that fetch (a negative control, run once) the 3-rank load failed on every rank:
     ``<id>-rank00000.safetensors', tensor 'body.0.weight/step' ...: the file is missing``. Negative control (run once): loading with ``restore_rng=False``
     made the first resumed loss differ from the uninterrupted run's by 0.043 on rank 0 and
     0.87 on rank 1 (dropout masks and input noise drawn from other streams), and the final
     shards and optimizer state differ on both ranks."""
-    results = run_ranks(run_fault_resume, world_size, _tiers(tmp_path), "none")
+    tiers = _tiers(tmp_path, memory_asynchronous=background, disk_asynchronous=background)
+    results = run_ranks(run_fault_resume, world_size, tiers, "none")
     result = _same_on_every_rank(results)
+    assert result["background"] == background, result
     assert result["chosen"] == ("memory", FAULT_AFTER) and result["skipped"] == [], result
     _resumed_exactly(result)
     if world_size == 3:  # node 2 saved rank 2's files and held rank 1's copies
@@ -64,20 +70,24 @@ def test_restart_resumes_from_the_memory_tier_bit_for_bit(tmp_path, world_size):
 
 
 @pytest.mark.parametrize(
-    ("world_size", "ranks_per_node", "lost"), [(2, 1, 1), (3, 1, 1), (4, 2, 1), (4, 2, 0)]
+    ("world_size", "ranks_per_node", "lost", "background"),
+    [(2, 1, 1, False), (3, 1, 1, False), (4, 2, 1, False), (4, 2, 0, False), (4, 2, 1, True)],
 )
-def test_a_lost_node_resumes_from_the_peer_copies(tmp_path, world_size, ranks_per_node, lost):
+def test_a_lost_node_resumes_from_the_peer_copies(
+    tmp_path, world_size, ranks_per_node, lost, background
+):
     """One node's memory folder deleted (node 1, or node 0, where world rank 0 committed
     the index): the next node's folder holds the lost node's copies, the others the rest;
     the lost node's ranks get their files from them (at 3 nodes, from two nodes) and the
-    run resumes from step 6 exactly. Negative controls: without peer copies, the next test;
+    run resumes from step 6 exactly (also with the memory tier saved in the background). Negative controls: without peer copies, the next test;
     with the restore step off (no rank fetches what its node lacks; run once), the load
     failed on every rank in each case, naming a file of the lost node's folder:
     ``...node-<lost>/step-000000006/<id>-rank<r>.run.json: missing`` for one of its ranks
     ``r`` (at 3 ranks the first missing was rank 0's safetensors file)."""
-    tiers = _tiers(tmp_path, ranks_per_node=ranks_per_node)
+    tiers = _tiers(tmp_path, ranks_per_node=ranks_per_node, memory_asynchronous=background)
     results = run_ranks(run_fault_resume, world_size, tiers, f"lose_node{lost}")
     result = _same_on_every_rank(results)
+    assert result["background"] == background, result
     assert result["chosen"] == ("memory", FAULT_AFTER) and result["skipped"] == [], result
     _resumed_exactly(result)
     # The replaced node's folder was refilled: the index and its own ranks' files.

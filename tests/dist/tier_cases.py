@@ -130,14 +130,16 @@ def run_fault_resume(
     data = _data()
     model, optim, sampler = _build(rank, world_size, init_seed=0)
     _seed_streams(100 + rank)
-    batches, losses, pending = iter(_endless(sampler)), {}, None
+    batches, losses, pending, background = iter(_endless(sampler)), {}, None, False
     for step in range(1, TOTAL_STEPS + 1):
         losses[step] = _one_step(model, optim, batches, data)
         if step <= FAULT_AFTER:
             saved = save_tiered(tiers, step, model, optim, extra={"step": step}, sampler=sampler)
-            pending = saved.disk if isinstance(saved.disk, AsyncSave) else pending
+            for handle in (saved.memory, saved.disk):  # every save waits for the one before
+                pending = handle if isinstance(handle, AsyncSave) else pending
+            background |= isinstance(saved.memory, AsyncSave)
     if pending is not None:
-        pending.result()  # a disk save may still be written in the background
+        pending.result()  # the last save may still be written in the background
     expected = _state(model, optim)
     del model, optim
 
@@ -161,6 +163,7 @@ def run_fault_resume(
     chosen = resumed.selection.chosen
     return {
         "folder": sorted(os.listdir(resumed.selection.path)),
+        "background": background,  # a memory-tier save returned a handle
         "chosen": (chosen.tier.value, chosen.step),
         "skipped": [(s.candidate.tier.value, s.candidate.step, s.reason.value, s.detail)
                     for s in resumed.selection.skipped],

@@ -35,6 +35,7 @@ from tests.dist import parity
         ({"memory": "/a", "peer_copy": 1}, TypeError, "peer_copy"),
         ({"memory": "/a", "ranks_per_node": 0}, ValueError, "ranks_per_node"),
         ({"disk": "/a", "disk_asynchronous": "yes"}, TypeError, "disk_asynchronous"),
+        ({"memory": "/a", "memory_asynchronous": None}, TypeError, "memory_asynchronous"),
     ],
 )
 def test_invalid_options_name_the_argument(kwargs, error, argument):
