@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..comm.json_values import all_gather_json
-from . import loading
+from . import async_save, loading
 from .format import INDEX_NAME, CheckpointError, read_index
 from .outcome import guarded, settle
 from .peer_copy import Transfer, run_transfers
@@ -104,6 +104,7 @@ def newest_checkpoint(locations: CheckpointTiers | list | tuple, model: Any) -> 
     of the files). Loads nothing."""
     comm = model_slots(model).world_comm
     tiers, paths = _parse_locations(locations)
+    async_save.wait_for_previous(model)  # a save in the background may be of these tiers
     nodes = memory_nodes(tiers, comm) if tiers is not None and tiers.memory else None
     return choose(Locations(comm, tiers, nodes, paths))
 

@@ -15,6 +15,7 @@ import pytest
 from tests.dist.harness import run_ranks
 from tests.dist.tier_cases import (
     FAULT_AFTER,
+    load_during_background_save,
     peer_traffic,
     run_fault_resume,
     save_one_step_twice,
@@ -172,3 +173,13 @@ def test_a_rank_sends_its_own_files_once(tmp_path, world_size, ranks_per_node):
     for result in run_ranks(peer_traffic, world_size, tiers):
         size, payload = result["sends"]
         assert size == 8 and 0 < payload - result["own_bytes"] < 1024, result
+
+
+def test_a_load_waits_for_the_save_in_the_background(tmp_path):
+    """A load of the tiers into the model whose memory-tier save is still written (held
+    back 0.3 s) takes that step, once written (another model's load does not wait: a
+    model's saves are its own). Negative control (run once): without the wait
+    the load found step 2 unfinished and refused (``no loadable checkpoint: ... memory
+    step 2 ...: incomplete``)."""
+    tiers = _tiers(tmp_path, disk=None, memory_asynchronous=True)
+    assert run_ranks(load_during_background_save, 2, tiers) == ["2", "2"]

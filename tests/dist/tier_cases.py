@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import threading
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 import shardwrap
 from shardwrap import CheckpointTiers, ResumableSampler, save_tiered
 from shardwrap.checkpoint import CheckpointError, load_newest
+from shardwrap.ckpt import save as checkpoint_save
 from shardwrap.ckpt import selection as selection_module
 from shardwrap.ckpt.async_save import AsyncSave
 from shardwrap.ckpt.format import SHARD_FILE_PATTERN
@@ -203,3 +205,32 @@ def peer_traffic(rank: int, world_size: int, tiers_kwargs: dict) -> dict:
     sends = [r.num_bytes for r in ledger.recorded_since(before) if r.kind == "send"]
     own = [n for n in os.listdir(saved.memory) if f"-rank{rank:05d}." in n]
     return {"sends": sends, "own_bytes": sum(os.path.getsize(os.path.join(saved.memory, n)) for n in own)}
+
+
+def load_during_background_save(rank: int, world_size: int, tiers_kwargs: dict) -> str:
+    """Save step 2 of the memory tier in the background, its writes held back 0.3 s, and
+    load the tiers into the same model at once (a rollback); what it took, or its error."""
+    tiers = CheckpointTiers(**tiers_kwargs)
+    model, optim, sampler = _build(rank, world_size, init_seed=0)
+    gate, original = threading.Event(), checkpoint_save.write_stream
+
+    def held_back(*args, **kwargs):
+        if not gate.wait(60.0):
+            raise RuntimeError("the test's gate never opened")
+        return original(*args, **kwargs)
+
+    checkpoint_save.write_stream = held_back
+    try:
+        handle = save_tiered(tiers, 2, model, optim, sampler=sampler).memory
+        assert isinstance(handle, AsyncSave) and not handle.done()
+        threading.Timer(0.3, gate.set).start()
+        try:
+            resumed = load_newest(tiers, model, optim, sampler=sampler)
+        except CheckpointError as exc:
+            return f"error: {exc}"
+        finally:
+            gate.set()
+            handle.result()
+    finally:
+        checkpoint_save.write_stream = original
+    return str(resumed.selection.chosen.step)
