@@ -61,6 +61,8 @@ class SkipReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
+    """One checkpoint a load may take."""
+
     tier: Tier
     step: int | None  # None for a given folder
     where: str  # the folder (for the memory tier: its node folders' pattern)
@@ -76,6 +78,8 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Skipped:
+    """A candidate not taken, and why."""
+
     candidate: Candidate
     reason: SkipReason
     detail: str  # the files and ranks that caused it
