@@ -202,7 +202,9 @@ def batchnorm_worker(rank: int, world_size: int) -> list[float]:
         torch.testing.assert_close(loss, ref_loss, rtol=0.0, atol=0.0)
         check_shards(sharded, reference.master, exact=True)
         losses.append(float(loss))
-    torch.testing.assert_close(master.norm.running_var, reference.low.norm.running_var)
+    # one rank, the same casts and the same batches: the statistics are the same sums
+    assert torch.equal(master.norm.running_mean, reference.low.norm.running_mean)
+    assert torch.equal(master.norm.running_var, reference.low.norm.running_var)
     return losses
 
 
