@@ -47,7 +47,11 @@ parity tests' TinyGPT: tests/dist/parity.py); the functions below take it as ``r
 
 from __future__ import annotations
 
+import copy
 import math
+
+import torch
+from torch import nn
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 # The longest sum in the models of these tests: tokens per weight gradient (64 in the
@@ -170,3 +174,49 @@ def reordered_param_tol(num_steps: int) -> dict[str, float]:
     """``assert_close`` keywords for parameters after ``num_steps`` steps of
     :data:`REORDER_SAFE_ADAMW` against a reordered reference (about 1.4e-4 per step)."""
     return {"rtol": step_rounding_rtol(num_steps), "atol": reordered_param_atol(num_steps)}
+
+
+# [Note: forward bound]
+# A forward pass through Linear layers and activations f with |f(z)| <= |z| and
+# |f(z) - f(z')| <= |z - z'| (tanh, ReLU) on the same weights, with the matmuls blocked
+# differently (MKL's kernels take another path for an operand at another alignment: a
+# parameter viewed in a gathered flat buffer against one allocated on its own). Layer l
+# computes W x + b in sums of K_l terms; each sum is within K_l*u*(|W||x| + |b|) of exact
+# (the module docstring's rounding), and an error e in x reaches the output as at most
+# |W_L|...|W_{l+1}| e. Let M be the magnitude network: the same layers with |W|, |b| and no
+# activations, fed |x|. Then |W||x_l| + |b| <= M's layer-l output, |W_L|...|W_{l+1}| of it
+# is at most M's output, and one run is within D*K*u*M(|x|) of exact for D layers of at
+# most K terms; two orders, with independent roundings, :func:`reordered_relative` (K, D)
+# of it. Hence :func:`reordered_forward_atol`.
+
+
+def magnitude_model(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` (``nn.Linear`` layers and the activations of [Note: forward
+    bound], inside ``nn.Sequential``s) with every parameter replaced by its magnitude and
+    every activation by the identity; fed ``|x|`` it bounds the terms of each output."""
+    magnitude = copy.deepcopy(model)
+    for name, module in list(magnitude.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, (nn.Tanh, nn.ReLU)):
+                setattr(module, child_name, nn.Identity())
+            elif not isinstance(child, (nn.Linear, nn.Sequential, nn.Identity)):
+                if not list(child.children()):
+                    raise TypeError(f"magnitude_model: no bound for {name}.{child_name}: {child}")
+    with torch.no_grad():
+        for param in magnitude.parameters():
+            param.abs_()
+    return magnitude
+
+
+def reordered_forward_atol(model: nn.Module, x: torch.Tensor) -> float:
+    """Bound on how far two runs of ``model``'s forward on ``x`` (Linear layers and tanh or
+    ReLU; the same weights, matmuls blocked differently) differ per output element
+    ([Note: forward bound]): ``reordered_relative(K, D) * max M(|x|)``, ``D`` the Linear
+    layers, ``K`` the widest one's inputs plus its bias."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError("reordered_forward_atol: model has no nn.Linear layer")
+    terms = max(m.in_features + 1 for m in linears)
+    with torch.no_grad():
+        scale = float(magnitude_model(model)(x.abs()).abs().max())
+    return reordered_relative(terms, len(linears)) * scale
