@@ -163,6 +163,25 @@ def reordered_norm_atol(
     return spread * relative * grad_scale + own
 
 
+def clipped_grad_multiple(
+    numel: int,
+    max_norm: float,
+    relative: float = REORDERED_RELATIVE,
+    grad_scale: float = GRAD_SCALE,
+) -> float:
+    """The bound on a gradient of ``numel`` elements clipped by its 2-norm to ``max_norm``,
+    in units of the unclipped one's (``relative * grad_scale``), for ``grad_scale`` of the
+    param bounds above.
+
+    Clipped, element i is g_i * c, c = max_norm / norm <= 1. Off by rounding d_i in g_i
+    and D in the norm, it moves by c * d_i + |g_i| * c * D / norm <= d_i + D, as
+    |g_i| <= norm for the 2-norm. D is :func:`reordered_norm_atol`, whose own-rounding part
+    (proportional to the norm) c scales down to that at ``max_norm``. Hence
+    1 + reordered_norm_atol(2, numel, max_norm) / (relative * grad_scale): about 2."""
+    own = reordered_norm_atol(2.0, numel, max_norm, relative, grad_scale)
+    return 1.0 + own / (relative * grad_scale)
+
+
 def step_rounding_rtol(num_steps: int) -> float:
     """Each step rounds ``p - update`` to a float: two runs whose updates differ by any
     amount may land on neighbouring floats, one ulp (at most 2u of |p|) apart per step, on
