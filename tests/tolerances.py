@@ -142,6 +142,39 @@ def reordered_loss_atol(
     return relative * abs(loss) + grad_l1 * param_atol
 
 
+def reordered_loss_atols(
+    losses: list[float],
+    grad_l1s: list[float],
+    largest_param: float,
+    param_tol,
+    relative: float = REORDERED_RELATIVE,
+) -> list[float]:
+    """Per step t (from 0) of a run compared with a reordered reference, the ``atol`` for
+    its loss: :func:`reordered_loss_atol` of the reference's ``losses[t]`` and
+    ``grad_l1s[t]`` (the sum of its gradient's magnitudes at that loss), the parameters
+    apart by ``param_tol(t)`` (``assert_close`` keywords after t steps, as
+    :func:`reordered_param_tol`; ``rtol`` taken of ``largest_param``) and not at all at
+    t = 0. A loss compared with only its own rounding (``REORDERED_VALUE_TOL``) leaves
+    out the drift of the steps before it."""
+    atols = []
+    for step, (loss, grad_l1) in enumerate(zip(losses, grad_l1s, strict=True)):
+        drift = 0.0
+        if step:
+            tol = param_tol(step)
+            drift = tol["atol"] + tol["rtol"] * largest_param
+        atols.append(reordered_loss_atol(loss, grad_l1, drift, relative))
+    return atols
+
+
+def check_losses(got, want, atols: list[float], where: str = "") -> None:
+    """Each step's loss of ``got`` within its ``atols`` entry of ``want``'s (floats or
+    0-d tensors)."""
+    assert len(got) == len(want) == len(atols), (where, len(got), len(want), len(atols))
+    for step, (mine, theirs, atol) in enumerate(zip(got, want, atols, strict=True)):
+        difference = abs(float(mine) - float(theirs))
+        assert difference <= atol, f"{where} step {step}: {difference:.3g} > {atol:.3g}"
+
+
 def reordered_norm_atol(
     norm_type: float,
     numel: int,
