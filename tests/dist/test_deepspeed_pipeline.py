@@ -35,7 +35,8 @@ from tests.tolerances import (
     ADAMW_EPS,
     GRAD_SCALE,
     clipped_grad_multiple,
-    reordered_loss_atol,
+    check_losses,
+    reordered_loss_atols,
     reordered_param_atol,
     step_rounding_rtol,
 )
@@ -68,31 +69,17 @@ class ReferenceRun:
 def _reordered_tols(ref: ReferenceRun, grad_scale: float) -> tuple[list[float], dict]:
     """Per step the loss's ``atol``, and the final parameters' ``assert_close`` keywords:
     ``tolerances.reordered_param_atol`` at ``LR`` for gradients of ``grad_scale`` clipped
-    to ``CLIP`` (``tolerances.clipped_grad_multiple``), and ``reordered_loss_atol`` with
+    to ``CLIP`` (``tolerances.clipped_grad_multiple``), and ``reordered_loss_atols`` with
     the parameters drifted by the steps before each loss."""
     scale = grad_scale * clipped_grad_multiple(ref.numel, CLIP, grad_scale=grad_scale)
-    largest_param = max(float(p.abs().max()) for p in ref.params.values())
 
-    def drift(steps: int) -> float:
-        if steps == 0:
-            return 0.0
+    def param_tol(steps: int) -> dict:
         atol = reordered_param_atol(steps, lr=LR, grad_scale=scale)
-        return atol + step_rounding_rtol(steps) * largest_param
+        return {"rtol": step_rounding_rtol(steps), "atol": atol}
 
-    loss_atols = [
-        reordered_loss_atol(loss, l1, drift(step))
-        for step, (loss, l1) in enumerate(zip(ref.losses, ref.grad_l1s, strict=True))
-    ]
-    steps = len(ref.losses)
-    return loss_atols, {
-        "rtol": step_rounding_rtol(steps),
-        "atol": reordered_param_atol(steps, lr=LR, grad_scale=scale),
-    }
-
-
-def _check_losses(losses: list[float], ref: ReferenceRun, atols: list[float], where) -> None:
-    for step, (loss, want, atol) in enumerate(zip(losses, ref.losses, atols, strict=True)):
-        assert abs(loss - want) <= atol, (where, step, loss, want, atol)
+    largest = max(float(p.abs().max()) for p in ref.params.values())
+    loss_atols = reordered_loss_atols(ref.losses, ref.grad_l1s, largest, param_tol)
+    return loss_atols, param_tol(len(ref.losses))
 
 
 def _config(stage: int) -> dict:
@@ -154,7 +141,7 @@ def test_train_batch_matches_single_process(results, stage):
     seen = set()
     for rank, by_stage in enumerate(results):
         out = by_stage[stage]
-        _check_losses(out["losses"], ref, loss_atols, f"rank {rank}")
+        check_losses(out["losses"], ref.losses, loss_atols, f"rank {rank}")
         assert all(norm > CLIP for norm in out["norms"]), out["norms"]  # every step clipped
         for name, value in out["final"].items():
             torch.testing.assert_close(value, ref.params[name], msg=name, **params_tol)
@@ -242,7 +229,7 @@ def test_gpt_pipeline_zero3_matches_single_process():
     loss_atols, params_tol = _reordered_tols(ref, 2.0 * ref.largest)
     names, seen = _gpt_names(), set()
     for rank, out in enumerate(run_ranks(gpt_worker, WORLD)):
-        _check_losses(out["losses"], ref, loss_atols, f"rank {rank}")
+        check_losses(out["losses"], ref.losses, loss_atols, f"rank {rank}")
         for name, value in out["final"].items():
             torch.testing.assert_close(value, ref.params[names[name]], msg=name, **params_tol)
             seen.add(names[name])
