@@ -76,6 +76,23 @@ def reordered_relative(sum_terms: int, chain_depth: int) -> float:
 # 2 * sqrt(80 * 64) * 2**-24 = 8.5e-6: two orders of one chained float32 value, relative.
 REORDERED_RELATIVE = reordered_relative(SUM_TERMS, CHAIN_DEPTH)
 
+# bfloat16 keeps 8 significant bits: one rounding is within 2**-8 of the value.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+def bf16_relative(roundings: int) -> float:
+    """Two runs of one value computed in bf16, ``roundings`` bf16-rounded op outputs deep
+    (forward and backward, the parameters' cast included), differ by this much relative to
+    its terms' scale when their inputs or sums differ in order or by earlier roundings.
+
+    CPU kernels for bf16 (ATen's opmath, oneDNN) accumulate in fp32 and round each output
+    to bf16 once; the fp32 sum's own error, K * 2**-24 of its terms for K terms, stays under
+    that one rounding's 2**-8 for K < 2**16. So each op adds one bf16 rounding of the scale
+    of its terms, whatever order it summed in, and the chain's roundings add up as the
+    module docstring's do (one term each, u = 2**-8): 2 * sqrt(roundings) * 2**-8."""
+    return 2.0 * math.sqrt(roundings) * BF16_UNIT_ROUNDOFF
+
+
 # AdamW for runs compared with a reordered reference. eps = 1e-3 caps the amplification at
 # lr/eps = 10, and the updates stay Adam's where gradients are above 1e-3 (most elements
 # of these models; each parameter tensor still moves by 3e-3 to 5e-2 in 3-5 steps, 7 to
