@@ -88,21 +88,25 @@ def reordered_relative(sum_terms: int, chain_depth: int) -> float:
 # 2 * sqrt(80 * 64) * 2**-24 = 8.5e-6: two orders of one chained float32 value, relative.
 REORDERED_RELATIVE = reordered_relative(SUM_TERMS, CHAIN_DEPTH)
 
-# bfloat16 keeps 8 significant bits: one rounding is within 2**-8 of the value.
+# bfloat16 keeps 8 significant bits, float16 11: one rounding is within 2**-8 (2**-11) of
+# the value.
 BF16_UNIT_ROUNDOFF = 2.0**-8
+FP16_UNIT_ROUNDOFF = 2.0**-11
 
 
-def bf16_relative(roundings: int) -> float:
-    """Two runs of one value computed in bf16, ``roundings`` bf16-rounded op outputs deep
-    (forward and backward, the parameters' cast included), differ by this much relative to
-    its terms' scale when their inputs or sums differ in order or by earlier roundings.
+def low_precision_relative(roundings: int, unit_roundoff: float = BF16_UNIT_ROUNDOFF) -> float:
+    """Two runs of one value computed in bf16 (or fp16, ``unit_roundoff``), ``roundings``
+    low-precision op outputs deep (forward and backward, the parameters' cast included),
+    differ by this much relative to its terms' scale when their inputs or sums differ in
+    order or by earlier roundings.
 
-    CPU kernels for bf16 (ATen's opmath, oneDNN) accumulate in fp32 and round each output
-    to bf16 once; the fp32 sum's own error, K * 2**-24 of its terms for K terms, stays under
-    that one rounding's 2**-8 for K < 2**16. So each op adds one bf16 rounding of the scale
-    of its terms, whatever order it summed in, and the chain's roundings add up as the
-    module docstring's do (one term each, u = 2**-8): 2 * sqrt(roundings) * 2**-8."""
-    return 2.0 * math.sqrt(roundings) * BF16_UNIT_ROUNDOFF
+    CPU kernels for bf16 and fp16 (ATen's opmath, oneDNN) accumulate in fp32 and round each
+    output once; the fp32 sum's own error, K * 2**-24 of its terms for K terms, stays under
+    that one rounding for K < 2**13. So each op adds one low-precision rounding of the
+    scale of its terms, whatever order it summed in, and the chain's roundings add up as
+    the module docstring's do (one term each): 2 * sqrt(roundings) * unit_roundoff. Values
+    must stay in range: fp16 steps that overflow are skipped by both runs' scalers."""
+    return 2.0 * math.sqrt(roundings) * unit_roundoff
 
 
 # AdamW for runs compared with a reordered reference. eps = 1e-3 caps the amplification at

@@ -30,7 +30,7 @@ from tests.dist.parity import (
     reordered_tol,
 )
 from tests.tolerances import (
-    bf16_relative,
+    low_precision_relative,
     reordered_loss_atol,
     reordered_sgd_param_atol,
     step_rounding_rtol,
@@ -46,7 +46,7 @@ BATCH_PER_RANK, SEQ, VOCAB = 2, 16, 64
 GATHERS_BY_STEP = [6, 5, 5]
 # bf16 compute: each rank's bf16 gradient of half the batch, averaged in fp32, against the
 # reference's bf16 gradient of the whole batch: the same chains of bf16-rounded ops in other
-# orders (tolerances.bf16_relative). Per decoder layer at most 24 rounded outputs forward
+# orders (tolerances.low_precision_relative). Per decoder layer at most 24 rounded outputs forward
 # (Llama: 2 per RMSNorm, q projection, 3 for the rotary embedding, attention, o_proj, the
 # residual add, gate, SiLU, the product with up, down, the residual add; GPT-2 fewer but
 # for gelu_new's 8 pointwise ops) and as many backward; the embeddings, the final norm and
@@ -56,14 +56,14 @@ BF16_ROUNDINGS = 128
 
 def bf16_param_tol(largest_grad: float) -> dict[str, float]:
     """The fp32 master parameters after ``NUM_STEPS`` SGD steps on bf16 gradients against
-    the reference's: ``reordered_sgd_param_atol`` at ``bf16_relative(BF16_ROUNDINGS)``,
+    the reference's: ``reordered_sgd_param_atol`` at ``low_precision_relative(BF16_ROUNDINGS)``,
     the terms' scale twice the largest gradient element the reference saw (as
     tolerances.GRAD_SCALE sits above its models'), and each step's fp32 rounding.
     Measured worst difference: 2.1e-4 (GPT-2), 2.0e-4 (Llama tied), 1.4e-4 (Llama
     untied), against bounds of 2.6e-2, 1.1e-2 and 1.2e-2; control: every sharded gradient
     doubled put them 6.4e-2, 3.1e-2 and 2.9e-2 apart (2.5 to 2.8 bounds)."""
     atol = reordered_sgd_param_atol(
-        NUM_STEPS, lr=LR, momentum=0.9, relative=bf16_relative(BF16_ROUNDINGS),
+        NUM_STEPS, lr=LR, momentum=0.9, relative=low_precision_relative(BF16_ROUNDINGS),
         grad_scale=2.0 * largest_grad,
     )  # fmt: skip
     return {"rtol": step_rounding_rtol(NUM_STEPS), "atol": atol}

@@ -28,7 +28,7 @@ from tests.dist.parity import (
 )
 from tests.dist.parity import PARITY_GRAD_SCALE, SGD, WEIGHT_DECAY
 from tests.tolerances import (
-    bf16_relative,
+    low_precision_relative,
     reordered_loss_atol,
     reordered_sgd_param_atol,
     step_rounding_rtol,
@@ -40,7 +40,7 @@ BF16 = shardwrap.MixedPrecision(
 )
 # With several ranks each computes its part of the batch in bf16 and the reference the whole
 # batch: the same chains of bf16-rounded ops, summed in other orders
-# (tolerances.bf16_relative). TinyGPT's chain: per block ln1, qkv, attention, proj, the
+# (tolerances.low_precision_relative). TinyGPT's chain: per block ln1, qkv, attention, proj, the
 # residual add, ln2, fc, gelu, out and the residual add (10 outputs), the embedding sum,
 # final norm, head and scale, each way, and the parameters' cast: at most 64 roundings
 # (32 forward, to the loss).
@@ -49,7 +49,7 @@ BF16_ROUNDINGS, BF16_FORWARD_ROUNDINGS = 64, 32
 
 def bf16_param_tol(num_steps: int) -> dict[str, float]:
     """fp32 master parameters after ``num_steps`` steps of parity's SGD on bf16 gradients
-    against the reference's: ``reordered_sgd_param_atol`` at ``bf16_relative`` of the
+    against the reference's: ``reordered_sgd_param_atol`` at ``low_precision_relative`` of the
     chain, on parity's gradient scale (about 3.6e-2 after 3 steps; measured 3.4e-3), and
     the fp32 rounding of each step. Control: every sharded gradient doubled put the
     parameters 2.9e-2 to 6.6e-2 apart after step 1 (bound 6.3e-3) and 0.16 to 0.28 after
@@ -58,17 +58,17 @@ def bf16_param_tol(num_steps: int) -> dict[str, float]:
     the parameters carry this test."""
     atol = reordered_sgd_param_atol(
         num_steps, **SGD, weight_decay=WEIGHT_DECAY,
-        relative=bf16_relative(BF16_ROUNDINGS), grad_scale=PARITY_GRAD_SCALE,
+        relative=low_precision_relative(BF16_ROUNDINGS), grad_scale=PARITY_GRAD_SCALE,
     )  # fmt: skip
     return {"rtol": step_rounding_rtol(num_steps), "atol": atol}
 
 
 def bf16_loss_atol(ref_loss: float, grad_l1: float, master, step: int) -> float:
     """The ranks' mean bf16 loss at ``step`` against the reference's: its own roundings
-    (``bf16_relative`` of the forward chain) and the parameters' drift of the steps
+    (``low_precision_relative`` of the forward chain) and the parameters' drift of the steps
     before (``reordered_loss_atol``)."""
     drift = param_drift(master, bf16_param_tol(step)) if step else 0.0
-    return reordered_loss_atol(ref_loss, grad_l1, drift, bf16_relative(BF16_FORWARD_ROUNDINGS))
+    return reordered_loss_atol(ref_loss, grad_l1, drift, low_precision_relative(BF16_FORWARD_ROUNDINGS))
 
 
 class LowPrecisionReference:
