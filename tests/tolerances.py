@@ -67,16 +67,27 @@ CHAIN_DEPTH = 80
 GRAD_SCALE = 0.5
 
 
-def short_sum_relative(num_terms: int) -> float:
-    """Two sums of the same ``num_terms`` float32 terms in two orders differ by at most this
-    times the sum of the terms' magnitudes: each is within gamma_{k-1} = (k-1)u / (1-(k-1)u)
-    of it of the exact sum (Higham's deterministic bound, for a handful of terms), so
-    2 * gamma_{k-1}. (Measured: 0.48 of it, NO_SHARD's accumulation over 2 steps and 2
-    ranks, tests/dist/test_grad_buffer_reuse.py; a doubled gradient: 2.8e6 of it.)"""
+FP64_UNIT_ROUNDOFF = 2.0**-53
+
+
+def short_sum_relative(num_terms: int, unit_roundoff: float = FP32_UNIT_ROUNDOFF) -> float:
+    """Two sums of the same ``num_terms`` float32 (or ``unit_roundoff``) terms in two orders
+    differ by at most this times the sum of the terms' magnitudes: each is within
+    gamma_{k-1} = (k-1)u / (1-(k-1)u) of it of the exact sum (Higham's deterministic
+    bound), so 2 * gamma_{k-1}. (Measured: 0.48 of it, NO_SHARD's accumulation over 2 steps
+    and 2 ranks, tests/dist/test_grad_buffer_reuse.py; a doubled gradient: 2.8e6 of it.)"""
     if num_terms < 1:
         raise ValueError(f"num_terms must be >= 1, got {num_terms}")
-    ku = (num_terms - 1) * FP32_UNIT_ROUNDOFF
+    ku = (num_terms - 1) * unit_roundoff
     return 2.0 * ku / (1.0 - ku)
+
+
+def float64_formula_rtol(num_ops: int) -> float:
+    """Two evaluations of one formula in Python floats (float64), each at most ``num_ops``
+    operations that are correctly rounded (+ - * /) or within an ulp (libm's log, cos: 2u)
+    and none cancelling, are each within num_ops * 2u of the exact value to first order,
+    so apart by 4 * num_ops * u relative, u = 2**-53, whichever machine's libm."""
+    return 4.0 * num_ops * FP64_UNIT_ROUNDOFF
 
 
 def reordered_relative(sum_terms: int, chain_depth: int) -> float:
