@@ -43,6 +43,12 @@ rounding: :func:`reordered_loss_atol`.
 
 :func:`reordered_relative` gives the relative bound for other depths and sum lengths (the
 parity tests' TinyGPT: tests/dist/parity.py); the functions below take it as ``relative``.
+Losses after steps take the drift of the steps before them (:func:`reordered_loss_atols`);
+gradients clipped by a norm summed in another order, :func:`clipped_grad_multiple`; bf16
+and fp16 compute, :func:`low_precision_relative`; a handful of terms added in two orders,
+:func:`short_sum_relative`; Python float formulas, :func:`float64_formula_rtol`; a forward
+pass of Linear layers on other kernels, [Note: forward bound]. tests/unit/test_tolerances.py
+shows that doubled or zeroed gradients exceed the parameter, loss and norm bounds.
 """
 
 from __future__ import annotations
@@ -288,8 +294,10 @@ def reordered_param_tol(num_steps: int) -> dict[str, float]:
 
 def magnitude_model(model: nn.Module) -> nn.Module:
     """A copy of ``model`` (``nn.Linear`` layers and the activations of [Note: forward
-    bound], inside ``nn.Sequential``s) with every parameter replaced by its magnitude and
-    every activation by the identity; fed ``|x|`` it bounds the terms of each output."""
+    bound], in containers that only chain their children: ``nn.Sequential``,
+    tests.models.MLP) with every parameter replaced by its magnitude and every activation
+    by the identity; fed ``|x|`` it bounds the terms of each output. A leaf module of
+    another kind is refused."""
     magnitude = copy.deepcopy(model)
     for name, module in list(magnitude.named_modules()):
         for child_name, child in list(module.named_children()):
