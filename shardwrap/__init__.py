@@ -22,7 +22,7 @@ from .fsdp1_options import (
     StateDictConfig,
     StateDictSettings,
 )
-from .fsdp2 import FSDPModule, fully_shard
+from .fsdp2 import FSDPModule, fully_shard, register_fsdp_forward_method
 from .install import install, is_installed, uninstall
 from .options import (
     BackwardPrefetch,
@@ -78,6 +78,7 @@ __all__ = [
     "load_pretrained",
     "pipe",
     "register_forward_method",
+    "register_fsdp_forward_method",
     "save_checkpoint",
     "uninstall",
     "zero",

@@ -283,13 +283,13 @@ class FlatParamHandle:
         shard, staged = self.gather_source()
         guard = preserve_version_counter(self.flat_full)
         landing = landing_for(self.layout, self.flat_full)  # None: they land in flat_full
+        target = self.flat_full if landing is None else landing
         with guard:
             if self.comm_quant is not None:
                 work = self.comm_quant.gather(
-                    self.shard_comm, self.flat_full, shard, version=version, unit=self.comm_label
+                    self.shard_comm, target, shard, version=version, unit=self.comm_label
                 )
             else:
-                target = self.flat_full if landing is None else landing
                 work = self.shard_comm.all_gather(
                     target, shard, purpose="params", unit=self.comm_label
                 )
@@ -368,7 +368,7 @@ class FlatParamHandle:
         if free and self.separate_full:
             self._finish_gather()  # never release storage under an all-gather in flight
             if self.comm_quant is not None:  # hpZ
-                self.comm_quant.keep_secondary(self.flat_full, self._current_version())
+                self.comm_quant.keep_secondary(self.layout, self.flat_full, self._current_version())
             self.flat_full.untyped_storage().resize_(0)
             self._gathered_version = None
 

@@ -97,10 +97,15 @@ class CPUOffload:
     """Keep parameter shards in host memory (a no-op when the model already lives on CPU)."""
 
     offload_params: bool = False
+    # Page-locked host shards; None: pinned when CUDA is available (FSDP1's way). The
+    # FSDP2 door sets it from CPUOffloadPolicy.pin_memory.
+    pin_memory: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload_params, bool):
             raise TypeError(f"offload_params must be a bool, got {type(self.offload_params)}")
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise TypeError(f"pin_memory must be a bool or None, got {type(self.pin_memory)}")
 
 
 # [Note: keep_low_precision_grads]

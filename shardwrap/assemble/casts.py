@@ -99,3 +99,9 @@ def install_casts(
         elif (module is root and policy.cast_root_forward_inputs) or policy.cast_forward_inputs:
             hooks.append(module.register_forward_pre_hook(_CastInputs(low), with_kwargs=True))
     return hooks
+
+
+def has_casts(module: nn.Module) -> bool:
+    """Whether a mixed-precision input or output cast is hooked on ``module``."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return any(isinstance(hook, (_CastInputs, _CastOutput)) for hook in hooks)

@@ -48,7 +48,7 @@ def build_root(module: nn.Module, options: WrapOptions, *, holder: nn.Module) ->
     )
     # DiskOffload: shards and Adam state in mapped files, named by the rank in the world.
     disk_store = disk_store_for(options.cpu_offload, comms.world.rank)
-    absorbed = absorb_nested(module, policy=options.auto_wrap_policy)
+    absorbed = absorb_nested(module, ledger, policy=options.auto_wrap_policy)
     # CPUOffload: host shards, see [Note: host shards and staging]
     allocator = disk_store.allocate if disk_store else host_staging_for(options.cpu_offload)
     new_units, full_precision = shard_root(module, comms, absorbed, options, allocator)

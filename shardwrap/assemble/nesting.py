@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..comm.ledger import CommLedger
 from ..core.unit import Unit
 from ..policies import PolicyCallable
 from ..runtime import registry
@@ -39,10 +40,13 @@ def _is_nested_root(root: nn.Module, sub: nn.Module) -> bool:
     return any(r is not None and any(u.module is sub for u in r.units) for r in roots)
 
 
-def absorb_nested(module: nn.Module, *, policy: PolicyCallable | None = None) -> list[Unit]:
+def absorb_nested(
+    module: nn.Module, ledger: CommLedger, *, policy: PolicyCallable | None = None
+) -> list[Unit]:
     """Replace nested ``ShardedModule`` wrappers by their modules and adopt their units.
 
-    The adopted units' names and parameter names become relative to ``module``. With an
+    The adopted units' names and parameter names become relative to ``module``; their
+    roots' ledgers record into ``ledger`` from now on ([Note: adopted ledgers]). With an
     auto-wrap ``policy`` nested wrappers are refused, as FSDP1 refuses them: the policy
     would decide again what they already decided.
     """
@@ -61,6 +65,7 @@ def absorb_nested(module: nn.Module, *, policy: PolicyCallable | None = None) ->
                 path = f"{parent_name}.{child_name}" if parent_name else child_name
                 units = nested.units
                 nested.runtime.remove_hooks()
+                ledger.adopt(nested.comm_ledger)
                 for unit in units:
                     unit.rename(path)
                 adopted.extend(units)

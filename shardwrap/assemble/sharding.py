@@ -193,6 +193,7 @@ def _plan_units(
     then die unit by unit ([Note: unit-by-unit materialisation])."""
     ignored, mixed_precision = options.ignored, options.mixed_precision
     excluded = {id(p) for u in absorbed if u.handle for p in u.handle.shard_params}
+    excluded |= {id(p) for p in options.ignored_params}
     absorbed_modules = {u.module for u in absorbed}
     unit_modules = select_units(module, options.auto_wrap_policy, ignored | absorbed_modules)
     full_precision = full_precision_units(module, mixed_precision, ignored)

@@ -50,6 +50,8 @@ class WrapOptions:
     comm_quantization: CommQuantization | None = None
     auto_wrap_policy: PolicyCallable | None = None
     ignored: frozenset[nn.Module] = frozenset()  # module trees left unsharded
+    # Parameters left unsharded and unmanaged wherever they sit (FSDP2's ignored_params).
+    ignored_params: frozenset[nn.Parameter] = frozenset()
     param_init_fn: Callable[[nn.Module], None] | None = None
     device_id: int | torch.device | None = None
     sync_module_states: bool = False
@@ -78,6 +80,7 @@ class WrapOptions:
             "comm_quantization": CommQuantization.parse(self.comm_quantization),
             "auto_wrap_policy": as_policy(self.auto_wrap_policy),
             "ignored": _check_ignored(self.ignored),
+            "ignored_params": _check_ignored_params(self.ignored_params),
             "sync_module_states": check_bool("sync_module_states", self.sync_module_states),
             "fsdp1_units": check_bool("fsdp1_units", self.fsdp1_units),
         }
@@ -109,4 +112,12 @@ def _check_ignored(ignored: object) -> frozenset[nn.Module]:
         isinstance(m, nn.Module) for m in ignored
     ):
         raise TypeError(f"ignored: expected a set of nn.Module, got {ignored!r}")
+    return frozenset(ignored)
+
+
+def _check_ignored_params(ignored: object) -> frozenset[nn.Parameter]:
+    if not isinstance(ignored, (set, frozenset)) or not all(
+        isinstance(p, torch.Tensor) for p in ignored
+    ):
+        raise TypeError(f"ignored_params: expected a set of nn.Parameter, got {ignored!r}")
     return frozenset(ignored)

@@ -246,9 +246,9 @@ class Communicator:
         return time.perf_counter()
 
     def _timed(self, work, start: float):
-        if not self.ledger.time_collectives:
+        if not self.ledger.timing:
             return work
-        return _TimedWork(work, self.ledger, self.ledger.records[-1], start)
+        return _TimedWork(work, self.ledger, self.ledger.last(), start)
 
 
 def _unframe(framed: torch.Tensor) -> object:

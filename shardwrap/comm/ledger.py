@@ -43,6 +43,14 @@ class CommRecord:
         return self.unquantized_bytes * (self.group_size - 1) / self.group_size
 
 
+# [Note: adopted ledgers]
+# Each root counts its collectives in its own ledger. A root built around modules that
+# already have roots (nested ``ShardedModule`` s, FSDP2's bottom-up ``fully_shard`` calls)
+# adopts their units, whose communicators keep the ledger they were made with; the new
+# root adopts those ledgers too, so its own ledger sees every collective of every unit it
+# runs (what ``comm_ledger``, ``profile_step`` and the wire checks compare against), and
+# an adopted ledger stays empty.
+
 # Records a ledger keeps at most; see CommLedger.
 MAX_LEDGER_RECORDS = 10_000
 
@@ -62,11 +70,42 @@ class CommLedger:
     time_collectives: bool = False  # note each collective's wall time (shardwrap.profile)
     max_records: int = MAX_LEDGER_RECORDS
     num_recorded: int = 0
+    # The ledger of the root that adopted this one's units ([Note: adopted ledgers]).
+    adopted_by: CommLedger | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_int("max_records", self.max_records, minimum=2)
 
+    def adopt(self, nested: CommLedger) -> None:
+        """Record, from now on, what ``nested``'s communicators issue, after its records
+        so far ([Note: adopted ledgers])."""
+        if nested.adopted_by is not None or nested.final() is self:
+            raise ValueError("adopt: that ledger already records into this one")
+        self.records[:0] = nested.records
+        self.num_recorded += nested.num_recorded
+        nested.records = []
+        nested.adopted_by = self
+
+    def final(self) -> CommLedger:
+        """The ledger this one's records go to: itself, or its adopter's."""
+        ledger = self
+        while ledger.adopted_by is not None:
+            ledger = ledger.adopted_by
+        return ledger
+
+    @property
+    def timing(self) -> bool:
+        """Whether collectives recorded here are timed (their final ledger's switch)."""
+        return self.final().time_collectives
+
+    def last(self) -> CommRecord:
+        """The record made last (in the final ledger)."""
+        return self.final().records[-1]
+
     def record(self, record: CommRecord) -> None:
+        if self.adopted_by is not None:
+            self.final().record(record)
+            return
         self.records.append(record)
         self.num_recorded += 1
         if len(self.records) > self.max_records:
@@ -82,6 +121,9 @@ class CommLedger:
 
     def note_elapsed(self, record: CommRecord, seconds: float) -> None:
         """Attach a wall time to ``record`` (a no-op if the ledger was reset meanwhile)."""
+        if self.adopted_by is not None:
+            self.final().note_elapsed(record, seconds)
+            return
         for index in range(len(self.records) - 1, -1, -1):
             if self.records[index] is record:
                 self.records[index] = replace(record, elapsed_s=seconds)

@@ -56,6 +56,9 @@ import torch
 from ..base.quantize import BlockCodec
 from ..comm import quantized
 from ..comm.collectives import Communicator
+from ..layout.chunks import ChunkLayout
+from ..layout.flat import FlatLayout
+from .chunk_copy import take_shard
 
 
 class GatherPhase(enum.Enum):
@@ -119,9 +122,15 @@ class UnitCommQuant:
         gather under qwZ is quantized])."""
         return self.weight_codec
 
-    def keep_secondary(self, flat_full: torch.Tensor, version: Any) -> None:
+    def keep_secondary(
+        self, layout: FlatLayout | ChunkLayout, flat_full: torch.Tensor, version: Any
+    ) -> None:
         """Before ``flat_full`` (gathered from shard ``version``; None: not current) is
-        released: keep this rank's hpZ slice of it if backward will gather it again."""
+        released: keep this rank's hpZ slice of it if backward will gather it again.
+
+        The slice is of the gathered shards in rank order (what an all-gather lands):
+        under the dim-0 chunk layout that is not ``flat_full``'s order, so the slice's
+        shards are taken out of it again ([Note: the dim-0 chunk layout])."""
         if (
             self.hpz_comm is None
             or version is None
@@ -129,6 +138,13 @@ class UnitCommQuant:
             or not torch.is_grad_enabled()
         ):
             return
-        by_position = flat_full.detach().view(self.hpz_comm.size, -1)
-        self._secondary = by_position[self.hpz_comm.rank].clone()
+        size, position = self.hpz_comm.size, self.hpz_comm.rank
+        full = flat_full.detach()
+        if layout.shards_are_contiguous:
+            self._secondary = full.view(size, -1)[position].clone()
+        else:
+            per_position = layout.num_shards // size
+            first = position * per_position
+            ranks = range(first, first + per_position)
+            self._secondary = torch.cat([take_shard(layout, full, rank) for rank in ranks])
         self._secondary_version = version

@@ -53,6 +53,11 @@ class Unit:
         # units are prefetched for backward.
         self.expects_backward = False
         self.hook_handles: list[Any] = []  # its module's forward hooks (see hooks.register)
+        # FSDP2's explicit prefetch: the units to gather ahead once this one is gathered for
+        # forward / for backward, in order; None: the schedule chooses ([Note: explicit
+        # prefetch] in runtime/schedule.py).
+        self.forward_prefetch_targets: tuple[Unit, ...] | None = None
+        self.backward_prefetch_targets: tuple[Unit, ...] | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {self.state.name})"
@@ -68,6 +73,14 @@ class Unit:
     def set_reshard_after_forward(self, reshard: bool) -> None:
         """Override the strategy's reshard after forward (``set_reshard_after_forward``)."""
         self.reshard_after_forward_override = reshard
+
+    def set_prefetch_targets(self, *, forward: bool, targets: tuple[Unit, ...]) -> None:
+        """Gather ``targets`` ahead once this unit is gathered for forward (``forward``)
+        or for backward (``set_modules_to_forward/backward_prefetch``)."""
+        if forward:
+            self.forward_prefetch_targets = targets
+        else:
+            self.backward_prefetch_targets = targets
 
     def enter_forward(self) -> None:
         """A forward of this unit starts (possibly inside another one of its own)."""

@@ -3,12 +3,21 @@
 ``fully_shard.py`` (the entry point, bottom-up calls and the root), ``module.py``
 (``FSDPModule``'s methods), ``dtensor_views.py`` (parameters and gradients as DTensors
 over the flat shard), ``options.py`` (the arguments, and what is refused), ``state.py``
-(each call's record). The layout: ``layout/chunks.py``.
+(each call's record), ``meta_init.py`` (meta-device modules),
+``forward_method.py`` (``register_fsdp_forward_method``). The layout: ``layout/chunks.py``.
 """
 
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from .forward_method import register_fsdp_forward_method
 from .fully_shard import fully_shard
 from .module import FSDPModule, UnshardHandle
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]
+__all__ = [
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

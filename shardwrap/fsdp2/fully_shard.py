@@ -24,10 +24,16 @@ from ..assemble.root import ShardRoot, is_root
 from ..assemble.wrap_options import WrapOptions
 from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
-from ..options import ShardingStrategy
+from ..options import CommQuantization, ShardingStrategy
 from .dtensor_views import install_dtensor_views
-from .fully_shard_args import NOT_YET, UnitOptions, parse_options
+from .fully_shard_args import (
+    UnitOptions,
+    check_offload_mesh,
+    parse_options,
+    resolve_reshard_size,
+)
 from .group_hooks import register_group_hooks
+from .meta_init import materialize_meta
 from .module import as_fsdp_module
 from .state import DoorUnit, set_state, state_of
 
@@ -68,16 +74,29 @@ def fully_shard(
         dp_mesh_dims=dp_mesh_dims,
         master_dtype=_master_dtype(members),
     )
+    materialize_meta(members)  # [Note: meta-device modules on the FSDP2 door]
     # The unit's module: the one given, or a container of the list (outside the tree).
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
     device = next((p.device for p in target.parameters()), None)
     mesh = data_parallel_mesh(mesh, device.type if device is not None else "cpu")
+    check_offload_mesh(options, mesh.device_type)
+    options = resolve_reshard_size(options, mesh.shape[-1])
+    ignored = options.ignored_params | _left_out_below(target)
     # Alive until build_root adopts their units (the registry holds roots weakly).
     nested_roots = _release_nested(target)
     # The holder is the module users hold; a list's is its first member (in the tree,
     # where an ancestor's call finds it).
-    root = build_root(target, _wrap_options(mesh, options), holder=members[0])
+    root = build_root(target, _wrap_options(mesh, options, ignored), holder=members[0])
     del nested_roots
+    _adopt_unit(root, target, members, mesh, options)
+    for member in members:
+        as_fsdp_module(member)
+    return module
+
+
+def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options: UnitOptions):
+    """Give the call's new unit its DTensor views, its door state on every member, the
+    group and output-cast hooks, and make it the root until an ancestor's call adopts it."""
     unit = root.units[0]
     if unit.handle is not None:
         install_dtensor_views(unit.handle, mesh)
@@ -93,21 +112,29 @@ def fully_shard(
         for member in members:
             unit.add_hook_handle(cast_outputs(member, options.output_dtype))
     _start_root(root, members[0])
-    for member in members:
-        as_fsdp_module(member)
-    return module
 
 
-def _wrap_options(mesh, options: UnitOptions) -> WrapOptions:
+def _wrap_options(mesh, options: UnitOptions, ignored: frozenset) -> WrapOptions:
     """The door's ``WrapOptions``: ZeRO-3 on ``mesh``'s group, FSDP2's dim-0 chunks, the
-    call's mixed precision ([Note: FSDP2's mixed precision on the engine])."""
+    call's mixed precision and CPU offload ([Note: FSDP2's mixed precision on the engine],
+    [Note: FSDP2's CPU offload on the engine])."""
     return WrapOptions(
         sharding_strategy=STRATEGY,
         mixed_precision=options.mixed_precision,
+        cpu_offload=options.cpu_offload,
+        ignored_params=ignored,
+        comm_quantization=_reshard_groups(options),
         device_mesh=mesh,
         layout=ShardLayout.DIM0_CHUNKS,
         fsdp1_units=False,
     )
+
+
+def _reshard_groups(options: UnitOptions) -> CommQuantization | None:
+    """hpZ for an int ``reshard_after_forward`` ([Note: FSDP2's reshard to a smaller world])."""
+    if options.reshard_group_size is None:
+        return None
+    return CommQuantization(hpz_partition_size=options.reshard_group_size)
 
 
 def _master_dtype(members: list[nn.Module]):
@@ -123,17 +150,28 @@ def _check_module(module: object) -> None:
     if state_of(module) is not None:
         raise ValueError("module: fully_shard was already called on this module")
     for name, param in module.named_parameters():
-        if param.is_meta:
-            raise ValueError(
-                f"module: parameter {name!r} is on the meta device; meta-device "
-                f"initialisation {NOT_YET}; materialise the module before fully_shard"
-            )
         if param.dim() == 0:
             raise ValueError(f"module: parameter {name!r} is a scalar; Shard(0) needs a dim")
     if any(is_root(m) and state_of(m) is None for m in module.modules()):
         raise ValueError(
             "module: it holds a ShardedModule (the FSDP1 door); use one door for a model"
         )
+
+
+def _left_out_below(module: nn.Module) -> frozenset[nn.Parameter]:
+    """The parameters below ``module`` that earlier calls on its submodules left out of
+    their units (their ``ignored_params``): FSDP2's later calls leave them out too
+    ([Note: FSDP2's ignored_params])."""
+    nested = [state_of(sub) for sub in module.modules() if sub is not module]
+    units = {id(s.unit): s.unit for s in nested if s is not None}.values()
+    managed = {id(p) for unit in units if unit.handle for p in unit.handle.shard_params}
+    return frozenset(
+        param
+        for sub in module.modules()
+        if sub is not module and state_of(sub) is not None
+        for param in sub.parameters()
+        if id(param) not in managed
+    )
 
 
 def _release_nested(module: nn.Module) -> list[ShardRoot]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..base.validate import check_bool
 from ..core.unit import Unit
+from .meta_init import apply_to_shards, hide_shards
 from .state import runtime_for, state_of
 
 _CLASSES: dict[type, type] = {}
@@ -38,6 +39,19 @@ def _unit(module: nn.Module) -> Unit:
     if state is None:
         raise RuntimeError(f"{type(module).__name__}: fully_shard was not called on it")
     return state.unit
+
+
+def _prefetch_targets(name: str, modules: object) -> tuple[Unit, ...]:
+    """The units of ``modules`` (a list of modules ``fully_shard`` was called on)."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of FSDPModules, got {type(modules).__name__}")
+    for module in modules:
+        if not isinstance(module, nn.Module) or state_of(module) is None:
+            raise TypeError(
+                f"{name}: expected FSDPModules (modules fully_shard was called on), got "
+                f"{type(module).__name__}"
+            )
+    return tuple(_unit(module) for module in modules)
 
 
 def _refused(name: str, why: str):
@@ -97,9 +111,35 @@ class FSDPModule:
                 state.reshard_after_forward = value
                 state.unit.set_reshard_after_forward(value)
 
-    _order = "shardwrap prefetches the next unit in forward and backward order by itself"
-    set_modules_to_forward_prefetch = _refused("set_modules_to_forward_prefetch", _order)
-    set_modules_to_backward_prefetch = _refused("set_modules_to_backward_prefetch", _order)
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``to_empty``, ``to``) with this unit's shard views kept the
+        engine's storage ([Note: meta-device modules on the FSDP2 door] in ``meta_init.py``)."""
+        module: Any = self
+        unit = _unit(module)
+        handle = unit.handle
+        if handle is None:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        runtime_for(module).reshard_unit(unit)  # the module shows the shard views
+        apply_to_shards(handle, fn)  # first: a refused conversion leaves the module as it was
+        hide_shards(handle)
+        try:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            handle.show_params(handle.shard_params)
+
+    def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
+        """Issue the all-gathers of ``modules`` (FSDPModules, in order) once this module
+        is gathered for forward, instead of the schedule's choice ([Note: explicit
+        prefetch] in runtime/schedule.py)."""
+        targets = _prefetch_targets("set_modules_to_forward_prefetch", modules)
+        _unit(self).set_prefetch_targets(forward=True, targets=targets)  # type: ignore[arg-type]
+
+    def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
+        """Issue the all-gathers of ``modules`` (FSDPModules, in order) once this module
+        is gathered for backward, instead of the next unit in backward order ([Note:
+        explicit prefetch] in runtime/schedule.py)."""
+        targets = _prefetch_targets("set_modules_to_backward_prefetch", modules)
+        _unit(self).set_prefetch_targets(forward=False, targets=targets)  # type: ignore[arg-type]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's unit's summed gradients by ``factor`` instead of the mesh

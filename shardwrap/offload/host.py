@@ -91,7 +91,9 @@ class HostStaging:
 def host_staging_for(cpu_offload: object) -> HostStaging | None:
     """The staging that ``cpu_offload`` asks for (``None``: shards stay on the device)."""
     if isinstance(cpu_offload, CPUOffload) and cpu_offload.offload_params:
-        return HostStaging.for_this_process()
+        if cpu_offload.pin_memory is None:
+            return HostStaging.for_this_process()
+        return HostStaging(pin_memory=cpu_offload.pin_memory)
     return None
 
 

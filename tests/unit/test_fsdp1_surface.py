@@ -35,7 +35,6 @@ NOT_PROVIDED = {
     "OffloadPolicy": _FSDP2,
     "CPUOffloadPolicy": _FSDP2,
     "UnshardHandle": _FSDP2,
-    "register_fsdp_forward_method": _FSDP2 + " (see shardwrap.register_forward_method)",
     "share_comm_ctx": _FSDP2,
     "DataParallelMeshDims": _FSDP2,
     "GradientReductionHandle": _FSDP2 + " (new in torch 2.15)",

@@ -17,9 +17,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 import shardwrap
 from shardwrap.base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
 from shardwrap.core.grads import checked_divide_factor
-from shardwrap.fsdp2.fully_shard_args import parse_options
+from shardwrap.fsdp2.fully_shard_args import check_offload_mesh, parse_options
 from shardwrap.fsdp2.module import FSDPModule, _check_local_accumulation, as_fsdp_module
-from shardwrap.options import MixedPrecision
+from shardwrap.options import CPUOffload, MixedPrecision
 
 DEFAULTS = dict(
     reshard_after_forward=None,
@@ -63,6 +63,25 @@ def test_mixed_precision_policies_become_the_engines_record():
     assert parse_options(**DEFAULTS).mixed_precision is None
 
 
+def test_each_calls_offload_policy_is_the_engines_cpu_offload():
+    """CPUOffloadPolicy(pin_memory=False) is host shards, unpinned; OffloadPolicy() none;
+    pin_memory=True needs CUDA (torch's FSDP2 fails pinning without it); a non-CPU mesh is
+    refused. Negative control: the default policy leaves cpu_offload None."""
+    unpinned = parse_options(**{**DEFAULTS, "offload_policy": CPUOffloadPolicy(pin_memory=False)})
+    assert unpinned.cpu_offload == CPUOffload(offload_params=True, pin_memory=False)
+    assert parse_options(**DEFAULTS).cpu_offload is None
+    pinned = {**DEFAULTS, "offload_policy": CPUOffloadPolicy()}
+    if torch.cuda.is_available():
+        assert parse_options(**pinned).cpu_offload == CPUOffload(True, pin_memory=True)
+    else:
+        with pytest.raises(ValueError, match="pin_memory=False"):
+            parse_options(**pinned)
+    check_offload_mesh(unpinned, "cpu")
+    check_offload_mesh(parse_options(**DEFAULTS), "cuda")
+    with pytest.raises(ValueError, match="offload_policy.*'cuda' mesh"):
+        check_offload_mesh(unpinned, "cuda")
+
+
 def _runtime_with(compute_dtype, reduce_dtype):
     handle = SimpleNamespace(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     return SimpleNamespace(units=[SimpleNamespace(name="blocks.0", handle=handle)])
@@ -79,7 +98,6 @@ def test_unsynced_accumulation_in_another_dtype_than_fsdp2s_is_refused():
 @pytest.mark.parametrize(
     ("argument", "value", "error"),
     [
-        ("reshard_after_forward", 2, ValueError),
         ("reshard_after_forward", "yes", TypeError),
         ("shard_placement_fn", lambda p: None, ValueError),
         ("mp_policy", MixedPrecisionPolicy(torch.float16, torch.float16), ValueError),
@@ -91,8 +109,10 @@ def test_unsynced_accumulation_in_another_dtype_than_fsdp2s_is_refused():
         ("mp_policy", MixedPrecisionPolicy(param_dtype=torch.int8), ValueError),
         ("mp_policy", MixedPrecisionPolicy(output_dtype=torch.int32), ValueError),
         ("mp_policy", "bf16", TypeError),
-        ("offload_policy", CPUOffloadPolicy(), ValueError),
-        ("ignored_params", {nn.Parameter(torch.zeros(1))}, ValueError),
+        ("offload_policy", CPUOffloadPolicy(pin_memory="yes"), TypeError),
+        ("offload_policy", CPUOffload(offload_params=True), TypeError),
+        ("ignored_params", {"weight"}, TypeError),
+        ("ignored_params", nn.Parameter(torch.zeros(1)), TypeError),
         ("dp_mesh_dims", object(), ValueError),
     ],
 )
@@ -119,6 +139,8 @@ REFUSED = [
         "set_gradient_divide_factor",
         "set_reduce_scatter_divide_factor",
         "set_force_sum_reduction_for_comms",
+        "set_modules_to_forward_prefetch",
+        "set_modules_to_backward_prefetch",
     )
 ]
 

@@ -67,6 +67,21 @@ def test_which_options_stage() -> None:
     assert host_staging_for(shardwrap.DiskOffload("/tmp")) is None
 
 
+def test_an_explicit_pin_memory_is_honoured() -> None:
+    """The FSDP2 door's CPUOffloadPolicy(pin_memory=False) stays unpinned even with CUDA;
+    True without CUDA is refused. Negative control: pin_memory=None follows CUDA."""
+    unpinned = shardwrap.CPUOffload(offload_params=True, pin_memory=False)
+    assert host_staging_for(unpinned) == HostStaging(pin_memory=False)
+    pinned = shardwrap.CPUOffload(offload_params=True, pin_memory=True)
+    if torch.cuda.is_available():
+        assert host_staging_for(pinned) == HostStaging(pin_memory=True)
+    else:
+        with pytest.raises(ValueError, match="pin_memory"):
+            host_staging_for(pinned)
+    with pytest.raises(TypeError, match="pin_memory"):
+        shardwrap.CPUOffload(offload_params=True, pin_memory="yes")
+
+
 def test_planner_counts_the_device_copy_of_one_shard() -> None:
     num_params = 10**6
     # Every stage, ZeRO-1 included (it reduces in backward), hands host gradients to the step.

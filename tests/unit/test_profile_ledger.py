@@ -124,3 +124,25 @@ def test_summaries_show_the_bytes_quantization_saved() -> None:
     assert step.saved_bytes() == 2 * (1000 - 254) + 1000 - 129
     assert step.bytes("all_gather", "params", unit="a") == 2 * 254 + 1000
     assert "saved" in step.table()
+
+
+def test_an_adopted_ledger_records_into_its_adopter_with_timing() -> None:
+    """[Note: adopted ledgers]: a nested root's communicators keep their ledger; once an
+    enclosing root adopts it, every record (and its wall time, when the adopter times)
+    lands in the adopter's ledger, after the records the nested one had made."""
+    outer, middle, inner = CommLedger(), CommLedger(), CommLedger()
+    inner.record(CommRecord("broadcast", "init", 4, 2))
+    middle.adopt(inner)
+    outer.adopt(middle)
+    assert outer.records == [CommRecord("broadcast", "init", 4, 2)] and not inner.records
+    outer.time_collectives = True
+    comm = Communicator(None, inner)
+    comm.size = 2  # as if in a group of two, so it records (the work is a stand-in)
+    work = _SlowWork()
+    waitable = comm._timed(work, comm._record("all_reduce", "grads", torch.zeros(4), unit="u"))
+    waitable.wait()
+    assert [r.kind for r in outer.records] == ["broadcast", "all_reduce"]
+    assert outer.records[-1].elapsed_s is not None and outer.num_recorded == 2
+    assert not inner.records and not middle.records
+    with pytest.raises(ValueError, match="adopt"):
+        outer.adopt(inner)
