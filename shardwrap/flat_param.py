@@ -215,6 +215,10 @@ class FlatParamHandle:
         piece = self.pieces[index]
         return flat[piece.shard_start : piece.shard_end]
 
+    def sites(self) -> list[tuple[nn.Module, str, int]]:
+        """Every site as (module, attribute, parameter index); tied parameters have several."""
+        return list(self._site_slots)
+
     def shown_params(self) -> list[nn.Parameter]:
         """The parameter the module shows now at each index (tied ones once)."""
         seen: dict[int, nn.Parameter] = {}

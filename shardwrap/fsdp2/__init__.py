@@ -3,7 +3,8 @@
 ``fully_shard.py`` (the entry point, bottom-up calls and the root), ``module.py``
 (``FSDPModule``'s methods), ``dtensor_views.py`` (parameters and gradients as DTensors
 over the flat shard), ``options.py`` (the arguments, and what is refused), ``state.py``
-(each call's record), ``meta_init.py`` (meta-device modules),
+(each call's record), ``meta_init.py`` (meta-device modules), ``assign_load.py``
+(``load_state_dict(assign=True)``),
 ``forward_method.py`` (``register_fsdp_forward_method``). The layout: ``layout/chunks.py``.
 """
 
