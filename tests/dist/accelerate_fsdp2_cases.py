@@ -1,0 +1,145 @@
+"""Rank workers for tests/dist/test_accelerate_fsdp2.py: accelerate's FSDP2 path, run twice.
+
+The script is an accelerate training loop as its users write it: ``Accelerator`` with a
+``FullyShardedDataParallelPlugin(fsdp_version=2, ...)``, ``prepare(model, optimizer)``
+(accelerate's ``fsdp2_prepare_model`` calls ``fully_shard`` on each decoder layer, the
+input embedding, the ``[final norm, lm_head]`` tail as a list, then the root, and
+switches the optimizer onto the DTensor parameters), ``backward``, ``clip_grad_norm_``,
+AdamW, and ``save_state``/``load_state``. It runs once with torch's ``fully_shard`` and
+once after ``shardwrap.install()`` (which rebinds the name accelerate imports inside
+``fsdp2_prepare_model``); the test compares the records.
+
+accelerate picks its FSDP path only on accelerators; on CPU it sets up the gloo group as
+``MULTI_CPU``, and ``make_accelerator`` selects the FSDP path by hand, as a GPU machine
+would (as tests/dist/hf_frameworks.py does for FSDP1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import shardwrap
+from shardwrap.fsdp2 import FSDPModule as DoorModule
+from tests.dist import hf_frameworks as hf
+
+CLIP_NORM = 0.5  # under the gradients' norm here, so clipping changes every step
+LR = 1e-2
+
+
+def make_accelerator(kind: str, *, cpu_ram_efficient_loading: bool, state_dict_type: str):
+    """An ``Accelerator`` on the running gloo group, on accelerate's FSDP2 path."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=[hf.layer_class(kind)],
+        state_dict_type=state_dict_type,
+        cpu_ram_efficient_loading=cpu_ram_efficient_loading,
+    )
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    return accelerator
+
+
+def train(
+    rank: int,
+    kind: str,
+    *,
+    first_step: int,
+    num_steps: int,
+    load_from: str | None = None,
+    save_to: str | None = None,
+    cpu_ram_efficient_loading: bool = False,
+    state_dict_type: str = "SHARDED_STATE_DICT",
+) -> dict:
+    """Train ``num_steps`` AdamW steps from ``first_step`` (after ``load_state`` if
+    given, ``save_state`` after if given): losses, gradient norms, full parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    accelerator = make_accelerator(
+        kind, cpu_ram_efficient_loading=cpu_ram_efficient_loading, state_dict_type=state_dict_type
+    )
+    model = hf.build_model(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if load_from is not None:
+        accelerator.load_state(load_from)
+    losses, norms = [], []
+    for step in range(first_step, first_step + num_steps):
+        ids = hf.batch(step, rank)
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        norms.append(accelerator.clip_grad_norm_(model.parameters(), CLIP_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    if save_to is not None:
+        accelerator.save_state(save_to)
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "params": full_params(model),
+        "wrapper": type(model).__name__,
+        "num_fsdp": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "door": isinstance(model, DoorModule),
+        "optimizer_holds_model_params": _optimizer_holds(model, optimizer),
+    }
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value on this rank, by the Hugging Face model's names."""
+    out = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        out[name] = full.detach().clone()
+    return out
+
+
+def _optimizer_holds(model: torch.nn.Module, optimizer) -> bool:
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return held == {id(p) for p in model.parameters()}
+
+
+def runs(rank: int, world_size: int, kind: str, options: dict, folder: str, control=None) -> dict:
+    """The script's runs on this rank: torch's FSDP2 straight through ``2 * hf.STEPS``
+    steps, and after ``shardwrap.install()`` the same; torch's first ``hf.STEPS`` steps
+    saved (``save_state``) and resumed on shardwrap (``load_state``); shardwrap's first
+    steps saved and resumed on shardwrap. ``options``: ``train``'s accelerate settings;
+    ``control``: a ``fully_shard`` bound in torch's place over shardwrap's (a negative
+    control's bug)."""
+    from torch.distributed import fsdp as torch_fsdp
+
+    hf.set_launcher_env(rank, world_size)
+    steps = hf.STEPS
+    out = {
+        "torch": train(rank, kind, first_step=0, num_steps=2 * steps, **options),
+        "torch_first": train(
+            rank, kind, first_step=0, num_steps=steps, save_to=f"{folder}/torch", **options
+        ),
+    }
+    shardwrap.install()
+    if control is not None:
+        torch_fsdp.fully_shard = control
+    try:
+        out["shardwrap"] = train(rank, kind, first_step=0, num_steps=2 * steps, **options)
+        out["resumed_from_torch"] = train(
+            rank, kind, first_step=steps, num_steps=steps, load_from=f"{folder}/torch", **options
+        )
+        out["shardwrap_first"] = train(
+            rank, kind, first_step=0, num_steps=steps, save_to=f"{folder}/ours", **options
+        )
+        out["resumed"] = train(
+            rank, kind, first_step=steps, num_steps=steps, load_from=f"{folder}/ours", **options
+        )
+    finally:
+        shardwrap.uninstall()
+    return out
