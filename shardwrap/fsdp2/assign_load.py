@@ -41,7 +41,7 @@ def register_assign_hooks(handle: FlatParamHandle, mesh: DeviceMesh) -> list[Any
     what ``assign=True`` would set and a post-hook that takes it into the shard views
     ([Note: assigned parameters on the FSDP2 door]); the hooks' handles."""
     slots: dict[int, tuple[nn.Module, list[tuple[str, int]]]] = {}
-    for module, attr, index in handle.sites():
+    for module, attr, index in handle.site_slots:
         slots.setdefault(id(module), (module, []))[1].append((attr, index))
     hooks = []
     for module, module_slots in slots.values():
