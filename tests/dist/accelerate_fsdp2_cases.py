@@ -27,8 +27,9 @@ CLIP_NORM = 0.5  # under the gradients' norm here, so clipping changes every ste
 LR = 1e-2
 
 
-def make_accelerator(kind: str, *, cpu_ram_efficient_loading: bool, state_dict_type: str):
-    """An ``Accelerator`` on the running gloo group, on accelerate's FSDP2 path."""
+def make_accelerator(kind: str, *, mixed_precision: str = "no", accumulation: int = 1, **plugin):
+    """An ``Accelerator`` on the running gloo group, on accelerate's FSDP2 path;
+    ``plugin``: more ``FullyShardedDataParallelPlugin`` fields."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -39,12 +40,19 @@ def make_accelerator(kind: str, *, cpu_ram_efficient_loading: bool, state_dict_t
         fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=[hf.layer_class(kind)],
-        state_dict_type=state_dict_type,
-        cpu_ram_efficient_loading=cpu_ram_efficient_loading,
+        **plugin,
     )
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    accelerator = Accelerator(
+        cpu=True,
+        fsdp_plugin=plugin,
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=accumulation,
+    )
+    # By hand, what accelerate does on a GPU machine: the FSDP path, the plugin's precision.
     PartialState().distributed_type = DistributedType.FSDP
     accelerator.state.distributed_type = DistributedType.FSDP
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)
     accelerator.state.fsdp_plugin = plugin
     assert accelerator.is_fsdp2
     return accelerator
@@ -58,30 +66,34 @@ def train(
     num_steps: int,
     load_from: str | None = None,
     save_to: str | None = None,
-    cpu_ram_efficient_loading: bool = False,
-    state_dict_type: str = "SHARDED_STATE_DICT",
+    **options,
 ) -> dict:
     """Train ``num_steps`` AdamW steps from ``first_step`` (after ``load_state`` if
-    given, ``save_state`` after if given): losses, gradient norms, full parameters."""
+    given, ``save_state`` after if given): losses, gradient norms, full parameters.
+    ``options``: ``make_accelerator``'s; with ``accumulation``, that many microbatches
+    per step under ``accelerator.accumulate``."""
     from torch.distributed.fsdp import FSDPModule
 
-    accelerator = make_accelerator(
-        kind, cpu_ram_efficient_loading=cpu_ram_efficient_loading, state_dict_type=state_dict_type
-    )
+    accelerator = make_accelerator(kind, **options)
     model = hf.build_model(kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     if load_from is not None:
         accelerator.load_state(load_from)
     losses, norms = [], []
+    microbatches = options.get("accumulation", 1)
     for step in range(first_step, first_step + num_steps):
-        ids = hf.batch(step, rank)
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        norms.append(accelerator.clip_grad_norm_(model.parameters(), CLIP_NORM).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+        for micro in range(microbatches):
+            with accelerator.accumulate(model):
+                ids = hf.batch(microbatches * step + micro, rank)
+                loss = model(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), CLIP_NORM)
+                    norms.append(norm.item())
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(accelerator.reduce(loss.detach().float(), "mean").item())
     if save_to is not None:
         accelerator.save_state(save_to)
     return {
@@ -100,13 +112,25 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        out[name] = full.detach().clone()
+        out[name] = full.detach().float().clone()
     return out
 
 
 def _optimizer_holds(model: torch.nn.Module, optimizer) -> bool:
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     return held == {id(p) for p in model.parameters()}
+
+
+def straight_runs(rank: int, world_size: int, kind: str, options: dict) -> dict:
+    """torch's FSDP2 and shardwrap's (after ``install()``) through ``2 * hf.STEPS`` steps."""
+    hf.set_launcher_env(rank, world_size)
+    out = {"torch": train(rank, kind, first_step=0, num_steps=2 * hf.STEPS, **options)}
+    shardwrap.install()
+    try:
+        out["shardwrap"] = train(rank, kind, first_step=0, num_steps=2 * hf.STEPS, **options)
+    finally:
+        shardwrap.uninstall()
+    return out
 
 
 def runs(rank: int, world_size: int, kind: str, options: dict, folder: str, control=None) -> dict:

@@ -22,6 +22,13 @@ Cases: a tiny Llama (untied embeddings: the embedding its own unit) with acceler
 tail's list unit) with ``cpu_ram_efficient_loading`` (accelerate moves the model to meta,
 shards it there and loads the weights with ``load_state_dict(assign=True)``) and
 ``FULL_STATE_DICT`` checkpoints (rank 0 writes, ``broadcast_from_rank0`` loads).
+Uninterrupted runs, the same comparison, with more of accelerate's settings: gradient
+accumulation (``accelerator.accumulate``, which calls ``set_requires_gradient_sync``),
+bf16 through the plugin (``MixedPrecisionPolicy(bf16, bf16, bf16)``: both sides compute
+the same bf16 ops, and a two-term bf16 sum halved rounds alike), activation
+checkpointing (``checkpoint_wrapper`` around each layer before ``fully_shard``),
+``ignored_modules`` (``ignored_params``: each rank's own values, equal to torch's on that
+rank) and ``reshard_after_forward=False``.
 
 Negative controls. In the suite: shardwrap's door with gradients not divided by the
 world size (``fsdp2_cases.undivided_fully_shard`` bound in torch's place) must fail the
@@ -51,6 +58,19 @@ CASES = {
         "gpt2",
         {"state_dict_type": "FULL_STATE_DICT", "cpu_ram_efficient_loading": True},
     ),
+}
+
+# More of accelerate's settings, uninterrupted runs only (no checkpoint).
+VARIANTS = {
+    # accelerator.accumulate: set_requires_gradient_sync(False) on all but the last microbatch
+    "llama_gradient_accumulation": ("llama", {"accumulation": 2}),
+    # the plugin's MixedPrecisionPolicy(bf16 params, reductions and outputs)
+    "llama_bf16": ("llama", {"mixed_precision": "bf16"}),
+    # fsdp2_apply_ac: checkpoint_wrapper around each layer before fully_shard
+    "llama_activation_checkpointing": ("llama", {"activation_checkpointing": True}),
+    # ignored_params: one MLP projection left plain and unreduced (each rank's own values)
+    "llama_ignored_modules": ("llama", {"ignored_modules": r"model\.layers\.0\.mlp\.up_proj"}),
+    "gpt2_no_reshard_after_forward": ("gpt2", {"reshard_after_forward": False}),
 }
 
 
@@ -93,8 +113,8 @@ def all_differences(out: dict) -> list[str]:
 def checks(run: str, record: dict) -> list[str]:
     """That the run was on the door it names, with the optimizer on the model's parameters."""
     found = []
-    if len(record["losses"]) != 2 * hf.STEPS or len(record["params"]) == 0:
-        found.append(f"{len(record['losses'])} steps, {len(record['params'])} parameters")
+    if len(record["grad_norms"]) != 2 * hf.STEPS or len(record["params"]) == 0:
+        found.append(f"{len(record['grad_norms'])} steps, {len(record['params'])} parameters")
     if record["door"] != (run == "shardwrap"):
         found.append(f"shardwrap's FSDPModule: {record['door']}")
     if not record["optimizer_holds_model_params"]:
@@ -107,6 +127,15 @@ def test_accelerate_fsdp2_equals_torch_fsdp2_bit_for_bit(case, tmp_path):
     kind, options = CASES[case]
     for rank, out in enumerate(run_ranks(ac.runs, 2, kind, options, str(tmp_path))):
         found = all_differences(out)
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_accelerate_fsdp2_settings_equal_torch_fsdp2_bit_for_bit(variant):
+    kind, options = VARIANTS[variant]
+    for rank, out in enumerate(run_ranks(ac.straight_runs, 2, kind, options)):
+        found = [f"{run}: {line}" for run in out for line in checks(run, out[run])]
+        found += differences(out["torch"], out["shardwrap"])
         assert found == [], f"rank {rank}: {found[:8]}"
 
 
