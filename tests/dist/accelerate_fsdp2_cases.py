@@ -96,7 +96,10 @@ def train(
                 losses.append(accelerator.reduce(loss.detach().float(), "mean").item())
     if save_to is not None:
         accelerator.save_state(save_to)
+    # accelerate's full state dict (get_model_state_dict, full, CPU, on rank 0 only)
+    full_state = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
     return {
+        "full_state_dict": full_state,
         "losses": losses,
         "grad_norms": norms,
         "params": full_params(model),

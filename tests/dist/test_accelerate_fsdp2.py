@@ -15,6 +15,8 @@ at the end, for
 * torch's first steps saved with ``save_state`` and resumed on shardwrap with
   ``load_state``, against torch's uninterrupted run (the checkpoint is accelerate's, not
   ours: DCP or a full state dict, through torch's ``torch.distributed.checkpoint.state_dict``);
+* at the end of each run, ``accelerator.get_state_dict(model)`` (the full state dict
+  on rank 0, empty on the others);
 * shardwrap's first steps saved and resumed on shardwrap, the same.
 
 Cases: a tiny Llama (untied embeddings: the embedding its own unit) with accelerate's
@@ -86,7 +88,10 @@ def differences(reference: dict, ours: dict) -> list[str]:
     for name, want in reference["params"].items():
         if not torch.equal(want, ours["params"][name]):
             found.append(f"parameter {name} differs")
-    return found
+    want, got = reference["full_state_dict"], ours["full_state_dict"]
+    if want.keys() != got.keys():
+        return [*found, f"get_state_dict keys {sorted(want)} != {sorted(got)}"]
+    return found + [f"get_state_dict[{k!r}] differs" for k in want if not torch.equal(want[k], got[k])]
 
 
 def joined(first: dict, resumed: dict) -> dict:
@@ -126,6 +131,7 @@ def checks(run: str, record: dict) -> list[str]:
 def test_accelerate_fsdp2_equals_torch_fsdp2_bit_for_bit(case, tmp_path):
     kind, options = CASES[case]
     for rank, out in enumerate(run_ranks(ac.runs, 2, kind, options, str(tmp_path))):
+        assert bool(out["torch"]["full_state_dict"]) == (rank == 0)
         found = all_differences(out)
         assert found == [], f"rank {rank}: {found[:8]}"
 
