@@ -170,3 +170,17 @@ def runs(rank: int, world_size: int, kind: str, options: dict, folder: str, cont
     finally:
         shardwrap.uninstall()
     return out
+
+
+def refusal(rank: int, world_size: int, kind: str, options: dict) -> str:
+    """What shardwrap's door raises when accelerate prepares the model with ``options``
+    after ``install()`` (empty: nothing raised)."""
+    hf.set_launcher_env(rank, world_size)
+    shardwrap.install()
+    try:
+        train(rank, kind, first_step=0, num_steps=1, **options)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        shardwrap.uninstall()
+    return ""

@@ -30,7 +30,10 @@ bf16 through the plugin (``MixedPrecisionPolicy(bf16, bf16, bf16)``: both sides 
 the same bf16 ops, and a two-term bf16 sum halved rounds alike), activation
 checkpointing (``checkpoint_wrapper`` around each layer before ``fully_shard``),
 ``ignored_modules`` (``ignored_params``: each rank's own values, equal to torch's on that
-rank) and ``reshard_after_forward=False``.
+rank), ``reshard_after_forward=False`` and ``cpu_offload=CPUOffloadPolicy(pin_memory=False)``.
+What the door cannot honour is refused at ``prepare`` naming the option: accelerate's
+``cpu_offload=True`` (pinned host memory, CUDA only; torch's FSDP2 fails here too) and
+``mixed_precision="fp16"`` (fp16 gradient reductions).
 
 Negative controls. In the suite: shardwrap's door with gradients not divided by the
 world size (``fsdp2_cases.undivided_fully_shard`` bound in torch's place) must fail the
@@ -48,6 +51,7 @@ from __future__ import annotations
 import accelerate  # noqa: F401 (a declared test dependency: a broken install fails, never skips)
 import pytest
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from tests.dist import accelerate_fsdp2_cases as ac
 from tests.dist import fsdp2_cases as fc
@@ -73,6 +77,8 @@ VARIANTS = {
     # ignored_params: one MLP projection left plain and unreduced (each rank's own values)
     "llama_ignored_modules": ("llama", {"ignored_modules": r"model\.layers\.0\.mlp\.up_proj"}),
     "gpt2_no_reshard_after_forward": ("gpt2", {"reshard_after_forward": False}),
+    # the plugin's offload policy as given (accelerate's cpu_offload=True is pinned: CUDA only)
+    "llama_cpu_offload": ("llama", {"cpu_offload": CPUOffloadPolicy(pin_memory=False)}),
 }
 
 
@@ -143,6 +149,23 @@ def test_accelerate_fsdp2_settings_equal_torch_fsdp2_bit_for_bit(variant):
         found = [f"{run}: {line}" for run in out for line in checks(run, out[run])]
         found += differences(out["torch"], out["shardwrap"])
         assert found == [], f"rank {rank}: {found[:8]}"
+
+
+# What the door cannot honour, refused at prepare naming the option (the message's key).
+REFUSED = {
+    # accelerate's cpu_offload=True is CPUOffloadPolicy() (pinned): CUDA only; torch's
+    # FSDP2 fails on this machine too ("Cannot access accelerator device")
+    "pinned_cpu_offload": ({"cpu_offload": True}, "pin_memory"),
+    # fp16 reductions: torch's FSDP2 divides fp16 gradients before and after them
+    "fp16": ({"mixed_precision": "fp16"}, "reduce_dtype"),
+}
+
+
+@pytest.mark.parametrize("refused", list(REFUSED))
+def test_what_the_door_cannot_honour_is_refused_by_name(refused):
+    options, name = REFUSED[refused]
+    for rank, message in enumerate(run_ranks(ac.refusal, 2, "llama", options)):
+        assert message.startswith("ValueError") and name in message, (rank, message)
 
 
 def test_negative_control_undivided_gradients_differ(tmp_path):
