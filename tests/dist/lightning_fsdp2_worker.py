@@ -1,0 +1,111 @@
+"""Lightning's ``ModelParallelStrategy`` running FSDP2 code: torch's ``fully_shard`` and,
+after ``shardwrap.install()``, shardwrap's.
+
+Worker-side helpers for ``test_lightning_fsdp2.py``. The ranks are already in their gloo
+group with torchrun's variables, so Lightning launches nothing. The LightningModule's
+``configure_model`` is what Lightning's docs ask of FSDP2 users: ``fully_shard`` on each
+block, then on the root, over the strategy's ``data_parallel`` mesh dimension, imported
+from ``torch.distributed.fsdp`` when it runs (so ``install()`` decides whose it is).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import shardwrap
+from tests import models
+from tests.dist.hf_frameworks import set_launcher_env
+
+NUM_SAMPLES = 8  # per rank and epoch: 4 steps of 2
+
+
+def make_module():
+    import lightning.pytorch as pl
+
+    class GPTModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1234)
+            self.gpt = models.TinyGPT(depth=2)
+            # Its optional branch would get no gradient: AdamW keeps no state for it, which
+            # Lightning's resume then asks the checkpoint for (torch's FSDP2 fails alike).
+            del self.gpt.extra
+            self.losses: list[torch.Tensor] = []
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.gpt.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.gpt, mesh=mesh)
+
+        def training_step(self, batch, _index):
+            loss = models.gpt_loss(self.gpt, batch)
+            self.losses.append(loss.detach().clone())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            pairs = [models.gpt_batch(seed, batch=1) for seed in range(2 * NUM_SAMPLES)]
+            data = torch.utils.data.TensorDataset(
+                torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
+            )
+            return torch.utils.data.DataLoader(data, batch_size=2)
+
+    return GPTModule()
+
+
+def fit(rank: int, world_size: int, max_steps: int, ckpt: str | None):
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    set_launcher_env(rank, world_size)
+    module = make_module()
+    strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=True,
+    )  # fmt: skip
+    trainer.fit(module, ckpt_path=ckpt)
+    return module, trainer
+
+
+def _record(module) -> dict:
+    """Every rank's losses (averaged over ranks) and every parameter's full value."""
+    stacked = torch.stack(module.losses)
+    dist.all_reduce(stacked)
+    params = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in module.gpt.named_parameters()
+    }
+    return {
+        "losses": (stacked / dist.get_world_size()).tolist(),
+        "params": params,
+        "types": sorted({type(m).__name__ for m in module.gpt.modules() if "FSDP" in type(m).__name__}),
+        "owner": sorted({type(m).__module__.split(".")[0] for m in module.gpt.modules() if "FSDP" in type(m).__name__}),
+    }
+
+
+def run(rank: int, world_size: int, folder: str, door: str) -> dict:
+    """3 steps saved by Lightning (a distributed checkpoint), then a resume to step 6 in
+    the same processes, with ``door``'s ``fully_shard`` ("torch" or "shardwrap")."""
+    if door == "shardwrap":
+        shardwrap.install()
+    try:
+        module, trainer = fit(rank, world_size, 3, None)
+        first = _record(module)
+        path = os.path.join(folder, f"{door}.ckpt")
+        trainer.save_checkpoint(path)
+        dist.barrier()
+        module, _ = fit(rank, world_size, 6, path)
+        return {"first": first, "resumed": _record(module)}
+    finally:
+        if door == "shardwrap":
+            shardwrap.uninstall()
