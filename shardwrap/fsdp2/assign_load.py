@@ -20,8 +20,8 @@ assigned values.
 torch's FSDP2 instead keeps the assigned object and re-points the engine at its storage
 (``FSDPParam.reset_sharded_param``); either way what trains is what was assigned. The
 assigned tensor must be what FSDP2 itself accepts there: a ``Shard(0)`` ``DTensor`` of
-the parameter's shape on the unit's mesh, this rank's local chunk in the shard's dtype
-and device; anything else is refused naming the parameter.
+the parameter's shape on a mesh of the unit's ranks in their order, this rank's local
+chunk in the shard's dtype and device; anything else is refused naming the parameter.
 """
 
 from __future__ import annotations
@@ -108,7 +108,9 @@ def _assigned_local(fqn: str, assigned: Any, view: nn.Parameter, mesh: DeviceMes
     expected = view.to_local()
     local = assigned.to_local()
     problems = []
-    if assigned.device_mesh != mesh or tuple(assigned.placements) != (Shard(0),):
+    # The same ranks in the same order: then Shard(0)'s local chunk is this rank's piece.
+    same_ranks = assigned.device_mesh.mesh.tolist() == mesh.mesh.tolist()
+    if not same_ranks or tuple(assigned.placements) != (Shard(0),):
         problems.append(f"placements {assigned.placements} on {assigned.device_mesh}")
     if assigned.shape != view.shape or local.shape != expected.shape:
         problems.append(f"shape {tuple(assigned.shape)} (local {tuple(local.shape)})")
