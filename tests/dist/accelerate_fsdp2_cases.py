@@ -184,3 +184,36 @@ def refusal(rank: int, world_size: int, kind: str, options: dict) -> str:
     finally:
         shardwrap.uninstall()
     return ""
+
+
+def trainer_runs(rank: int, world_size: int, folder: str, control=None) -> dict:
+    """The Hugging Face ``Trainer``'s FSDP2 (``fsdp_config={"version": 2}``, which goes
+    through accelerate's ``fsdp2_prepare_model``): torch's straight through; shardwrap's
+    after ``install()`` straight through, resumed from its own checkpoint at ``hf.STEPS``
+    and from torch's. Each run's logged losses and final full parameters. ``control``:
+    as for :func:`runs`."""
+    hf.set_launcher_env(rank, world_size)
+    checkpoint = f"checkpoint-{hf.STEPS}"
+
+    def run(output_dir: str, resume: str | None = None) -> dict:
+        trainer, losses = hf.trainer_train(fsdp_version=2, output_dir=output_dir, resume=resume)
+        model = trainer.model_wrapped
+        return {
+            "losses": losses,
+            "params": full_params(model),
+            "door": isinstance(model, DoorModule),
+        }
+
+    out = {"torch": run(f"{folder}/torch")}
+    shardwrap.install()
+    if control is not None:
+        from torch.distributed import fsdp as torch_fsdp
+
+        torch_fsdp.fully_shard = control
+    try:
+        out["shardwrap"] = run(f"{folder}/ours")
+        out["resumed"] = run(f"{folder}/ours", resume=f"{folder}/ours/{checkpoint}")
+        out["resumed_from_torch"] = run(f"{folder}/cross", resume=f"{folder}/torch/{checkpoint}")
+    finally:
+        shardwrap.uninstall()
+    return out

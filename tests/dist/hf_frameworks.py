@@ -160,6 +160,19 @@ def trainer_run(*, fsdp: bool, output_dir: str, resume: str | None = None) -> li
     """``transformers.Trainer`` for ``2 * STEPS`` steps, a checkpoint every ``STEPS``;
     FSDP1 (``fsdp="full_shard auto_wrap"``) when ``fsdp``, else its DDP. The logged
     losses of the steps it ran."""
+    trainer, losses = trainer_train(
+        fsdp_version=1 if fsdp else None, output_dir=output_dir, resume=resume
+    )
+    if fsdp:
+        assert isinstance(trainer.model_wrapped, shardwrap.FullyShardedDataParallel)
+    return losses
+
+
+def trainer_train(*, fsdp_version: int | None, output_dir: str, resume: str | None = None):
+    """``transformers.Trainer`` for ``2 * STEPS`` steps, a checkpoint every ``STEPS``;
+    with ``fsdp="full_shard auto_wrap"`` in that FSDP version (1: FSDP1, 2: FSDP2's
+    ``fully_shard``), or its DDP for None. The trainer, and the logged losses of the steps
+    it ran."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -188,18 +201,13 @@ def trainer_run(*, fsdp: bool, output_dir: str, resume: str | None = None) -> li
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     fsdp_args = {}
-    if fsdp:
-        fsdp_args = dict(
-            fsdp="full_shard auto_wrap",
-            # version 1: FSDP1 (transformers 5 defaults to FSDP2's fully_shard). Module
-            # states are identical on every rank already; syncing them needs an
-            # accelerator device in accelerate.
-            fsdp_config={
-                "version": 1,
-                "sync_module_states": False,
-                "transformer_layer_cls_to_wrap": ["GPT2Block"],
-            },
-        )
+    if fsdp_version is not None:
+        fsdp_config = {"version": fsdp_version, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
+        if fsdp_version == 1:
+            # Module states are identical on every rank already; syncing them needs an
+            # accelerator device in accelerate (FSDP2 has no such setting).
+            fsdp_config["sync_module_states"] = False
+        fsdp_args = dict(fsdp="full_shard auto_wrap", fsdp_config=fsdp_config)
     args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, max_steps=2 * STEPS, save_steps=STEPS,
         per_device_train_batch_size=2, logging_steps=1, report_to=[], learning_rate=1e-3,
@@ -209,6 +217,4 @@ def trainer_run(*, fsdp: bool, output_dir: str, resume: str | None = None) -> li
         model=build_model("gpt2"), args=args, train_dataset=_TokenData(), callbacks=[RecordLoss()]
     )
     trainer.train(resume_from_checkpoint=resume)
-    if fsdp:
-        assert isinstance(trainer.model_wrapped, shardwrap.FullyShardedDataParallel)
-    return losses
+    return trainer, losses
