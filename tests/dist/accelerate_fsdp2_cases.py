@@ -140,9 +140,9 @@ def runs(rank: int, world_size: int, kind: str, options: dict, folder: str, cont
     """The script's runs on this rank: torch's FSDP2 straight through ``2 * hf.STEPS``
     steps, and after ``shardwrap.install()`` the same; torch's first ``hf.STEPS`` steps
     saved (``save_state``) and resumed on shardwrap (``load_state``); shardwrap's first
-    steps saved and resumed on shardwrap. ``options``: ``train``'s accelerate settings;
-    ``control``: a ``fully_shard`` bound in torch's place over shardwrap's (a negative
-    control's bug)."""
+    steps saved and resumed on shardwrap, and on torch's FSDP2. ``options``: ``train``'s
+    accelerate settings; ``control``: a ``fully_shard`` bound in torch's place over
+    shardwrap's (a negative control's bug)."""
     from torch.distributed import fsdp as torch_fsdp
 
     hf.set_launcher_env(rank, world_size)
@@ -169,6 +169,9 @@ def runs(rank: int, world_size: int, kind: str, options: dict, folder: str, cont
         )
     finally:
         shardwrap.uninstall()
+    out["torch_resumed_from_shardwrap"] = train(
+        rank, kind, first_step=steps, num_steps=steps, load_from=f"{folder}/ours", **options
+    )
     return out
 
 

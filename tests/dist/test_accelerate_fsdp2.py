@@ -15,7 +15,7 @@ at the end, for
 * torch's first steps saved with ``save_state`` and resumed on shardwrap with
   ``load_state``, against torch's uninterrupted run (the checkpoint is accelerate's, not
   ours: DCP or a full state dict, through torch's ``torch.distributed.checkpoint.state_dict``);
-* shardwrap's first steps saved and resumed on shardwrap, the same;
+* shardwrap's first steps saved and resumed on shardwrap, and on torch's FSDP2, the same;
 * at the end of each run, ``accelerator.get_state_dict(model)`` (the full state dict
   on rank 0, empty on the others).
 
@@ -128,6 +128,9 @@ def all_differences(out: dict) -> list[str]:
         "shardwrap": out["shardwrap"],
         "torch saved, shardwrap resumed": joined(out["torch_first"], out["resumed_from_torch"]),
         "shardwrap saved and resumed": joined(out["shardwrap_first"], out["resumed"]),
+        "shardwrap saved, torch resumed": joined(
+            out["shardwrap_first"], out["torch_resumed_from_shardwrap"]
+        ),
     }
     for label, record in comparisons.items():
         found += [f"{label}: {line}" for line in differences(out["torch"], record)]
