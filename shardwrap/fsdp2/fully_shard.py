@@ -25,6 +25,7 @@ from ..assemble.wrap_options import WrapOptions
 from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import CommQuantization, ShardingStrategy
+from .assign_load import register_assign_hooks
 from .dtensor_views import install_dtensor_views
 from .fully_shard_args import (
     UnitOptions,
@@ -105,6 +106,8 @@ def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options
     if unit.handle is not None:
         install_dtensor_views(unit.handle, mesh)
         root.runtime.index_shard_views()  # the views the optimizer will hold
+        for hook in register_assign_hooks(unit.handle, mesh):
+            unit.add_hook_handle(hook)
     state = DoorUnit(unit, mesh, options.reshard_after_forward, tuple(members))
     for owner in {id(m): m for m in [target, *members]}.values():
         set_state(owner, state)

@@ -238,9 +238,12 @@ def torch_run(rank: int, world_size: int, script: Script = Script()) -> Record:
 
 def undivided_fully_shard(module: nn.Module, **kwargs) -> nn.Module:
     """The negative control: shardwrap's ``fully_shard`` whose gradients are not divided
-    by the world size (each reduced piece multiplied back)."""
+    by the world size (each reduced piece multiplied back). ``module`` may be a list."""
     shardwrap.fully_shard(module, **kwargs)
-    grads = state_of(module).unit.handle.grads
+    handle = state_of(module[0] if isinstance(module, list) else module).unit.handle
+    if handle is None:  # no parameters of its own
+        return module
+    grads = handle.grads
     view, world = grads.shard_grad_view, dist.get_world_size()
     grads.shard_grad_view = lambda index, piece: view(index, piece * world)
     return module

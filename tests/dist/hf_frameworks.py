@@ -166,11 +166,30 @@ def trainer_run(
 ) -> list[float]:
     """``transformers.Trainer`` for ``2 * STEPS`` steps, a checkpoint every ``STEPS``;
     FSDP1 (``fsdp="full_shard auto_wrap"``) when ``fsdp``, else its DDP. The logged
-    losses of the steps it ran. Its AdamW takes ``tolerances.ADAMW_EPS``: the two are
-    compared with a bound (the wrapped parameters are views into flat buffers, where
-    kernels block their sums otherwise). ``record`` gets, per step, the sum of the
-    gradients' magnitudes and their largest element (as the optimizer gets them: clipped),
-    the logged gradient norms (before clipping), and the largest parameter at the end."""
+    losses of the steps it ran (``record``: see :func:`trainer_train`)."""
+    trainer, losses = trainer_train(
+        fsdp_version=1 if fsdp else None, output_dir=output_dir, resume=resume, record=record
+    )
+    if fsdp:
+        assert isinstance(trainer.model_wrapped, shardwrap.FullyShardedDataParallel)
+    return losses
+
+
+def trainer_train(
+    *,
+    fsdp_version: int | None,
+    output_dir: str,
+    resume: str | None = None,
+    record: dict | None = None,
+):
+    """``transformers.Trainer`` for ``2 * STEPS`` steps, a checkpoint every ``STEPS``;
+    with ``fsdp="full_shard auto_wrap"`` in that FSDP version (1: FSDP1, 2: FSDP2's
+    ``fully_shard``), or its DDP for None. The trainer, and the logged losses of the steps
+    it ran. Its AdamW takes ``tolerances.ADAMW_EPS``: FSDP1's run and DDP's are compared
+    with a bound (the wrapped parameters are views into flat buffers, where kernels block
+    their sums otherwise). ``record`` gets, per step, the sum of the gradients' magnitudes
+    and their largest element (as the optimizer gets them: clipped), the logged gradient
+    norms (before clipping), and the largest parameter at the end."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -207,18 +226,13 @@ def trainer_run(
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     fsdp_args = {}
-    if fsdp:
-        fsdp_args = dict(
-            fsdp="full_shard auto_wrap",
-            # version 1: FSDP1 (transformers 5 defaults to FSDP2's fully_shard). Module
-            # states are identical on every rank already; syncing them needs an
-            # accelerator device in accelerate.
-            fsdp_config={
-                "version": 1,
-                "sync_module_states": False,
-                "transformer_layer_cls_to_wrap": ["GPT2Block"],
-            },
-        )
+    if fsdp_version is not None:
+        fsdp_config = {"version": fsdp_version, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
+        if fsdp_version == 1:
+            # Module states are identical on every rank already; syncing them needs an
+            # accelerator device in accelerate (FSDP2 has no such setting).
+            fsdp_config["sync_module_states"] = False
+        fsdp_args = dict(fsdp="full_shard auto_wrap", fsdp_config=fsdp_config)
     args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, max_steps=2 * STEPS, save_steps=STEPS,
         per_device_train_batch_size=2, logging_steps=1, report_to=[], learning_rate=TRAINER_LR,
@@ -229,9 +243,7 @@ def trainer_run(
         model=build_model("gpt2"), args=args, train_dataset=_TokenData(), callbacks=[RecordLoss()]
     )
     trainer.train(resume_from_checkpoint=resume)
-    if fsdp:
-        assert isinstance(trainer.model_wrapped, shardwrap.FullyShardedDataParallel)
     if record is not None:
         record.update(seen)
         record["largest_param"] = max(float(p.abs().max()) for p in trainer.model.parameters())
-    return losses
+    return trainer, losses
