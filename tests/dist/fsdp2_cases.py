@@ -232,6 +232,18 @@ def _placement(param: torch.Tensor) -> str:
     return f"plain {type(param).__name__} on {param.device}"
 
 
+def sharded_tiny_model(world_size: int) -> TinyModel:
+    """The seeded TinyModel, each block then the root through shardwrap's ``fully_shard``
+    on a 1-D CPU mesh of ``world_size`` (FSDP2's defaults)."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        shardwrap.fully_shard(block, mesh=mesh)
+    shardwrap.fully_shard(model, mesh=mesh)
+    return model
+
+
 def torch_run(rank: int, world_size: int, script: Script = Script()) -> Record:
     return run_script(torch_fsdp.fully_shard, rank, world_size, script)
 
