@@ -1,7 +1,13 @@
 """shardwrap: ZeRO-1/2/3 sharded data parallelism behind an FSDP-compatible API."""
 
 from . import comm
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    CheckpointTiers,
+    load_checkpoint,
+    save_checkpoint,
+    save_tiered,
+)
 from .ckpt.pretrained import load_pretrained
 from .comm.checks import RankDisagreementError
 from .comm.groups import hybrid_process_groups
@@ -41,6 +47,7 @@ from .wrap import FullyShardedDataParallel, ShardedModule
 __all__ = [
     "BackwardPrefetch",
     "CheckpointError",
+    "CheckpointTiers",
     "RankDisagreementError",
     "CommQuantization",
     "FullStateDictConfig",
@@ -80,6 +87,7 @@ __all__ = [
     "register_forward_method",
     "register_fsdp_forward_method",
     "save_checkpoint",
+    "save_tiered",
     "uninstall",
     "zero",
 ]

@@ -10,14 +10,26 @@ This module is the face; the work is in ``ckpt/``, by concept: saving ``save.py`
 index's commit ``commit.py``, in the background ``async_save.py``), loading ``loading.py``
 (reading ``reader.py``), what is saved, by state kind ([Note: state kinds] in
 ``piece_records.py``; each kind's save and load: ``kinds.py``, the run state ``run_state.py``),
-optimizer state ``optim_state.py``, state dicts ``state_dict.py``, one-file export
-``consolidate.py``, Hugging Face loading ``pretrained.py``.
+the memory and disk tiers ([Note: checkpoint tiers]) ``tier_options.py``, ``tiered_save.py``,
+``selection.py``, ``tiered_load.py``, ``peer_copy.py``, optimizer state ``optim_state.py``,
+state dicts ``state_dict.py``, one-file export ``consolidate.py``, Hugging Face loading
+``pretrained.py``.
 """
 
 from __future__ import annotations
 
 from .ckpt.format import CheckpointError
-from .ckpt.loading import load_checkpoint
 from .ckpt.save import save_checkpoint
+from .ckpt.tier_options import CheckpointTiers
+from .ckpt.tiered_load import load_checkpoint, load_newest, newest_checkpoint
+from .ckpt.tiered_save import save_tiered
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointTiers",
+    "load_checkpoint",
+    "load_newest",
+    "newest_checkpoint",
+    "save_checkpoint",
+    "save_tiered",
+]

@@ -103,8 +103,8 @@ class FlatParamHandle:
         self.strategy = strategy
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
-        # (module, attribute, parameter index) of every site, for show_params's one flat loop.
-        self._site_slots = [
+        # (module, attribute, parameter index) of every site (tied: several), for show_params.
+        self.site_slots = [
             (site.module, site.attr, index)
             for index, param_sites in enumerate(sites)
             for site in param_sites
@@ -218,14 +218,14 @@ class FlatParamHandle:
     def shown_params(self) -> list[nn.Parameter]:
         """The parameter the module shows now at each index (tied ones once)."""
         seen: dict[int, nn.Parameter] = {}
-        for module, attr, index in self._site_slots:
+        for module, attr, index in self.site_slots:
             seen.setdefault(index, module._parameters[attr])
         return [seen[i] for i in sorted(seen)]
 
     def show_params(self, params: list[nn.Parameter]) -> None:
         """Register ``params`` (``full_params`` or ``shard_params``, or a summon's copies) at
         every site. Twice per unit and step: one flat loop, no call per site."""
-        for module, attr, index in self._site_slots:
+        for module, attr, index in self.site_slots:
             module._parameters[attr] = params[index]
 
     @property

@@ -164,7 +164,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(folder: str, name: str, data: bytes) -> None:
+def write_atomic(folder: str, name: str, data: bytes | memoryview) -> None:
     """Write ``folder/name`` so that it exists complete or not at all."""
     temp = os.path.join(folder, f".{name}{TEMP_SUFFIX}")
     try:

@@ -37,7 +37,7 @@ from .matching import check_fits_model, match_names
 from .outcome import guarded, settle
 from .piece_records import KindLoad, LoadContext, StateKind
 from .reader import CheckpointReader
-from .run_state import check_sampler
+from .run_state import META_KEY, check_sampler, run_file_name
 from .slots import ModelSlots, model_slots
 
 
@@ -72,6 +72,29 @@ def load_checkpoint(
     finally:
         loading.close()
     return loading.finish()
+
+
+def files_to_read(
+    root: str, slots: ModelSlots, optimizer: torch.optim.Optimizer | None, *, strict: bool = True
+) -> set[str]:
+    """The files of checkpoint ``root`` that this rank's load would open: those of the
+    pieces its parameters, buffers and optimizer state overlap (read from the index
+    alone), and its own and rank 0's run files. Collective (the names of other stages)."""
+    elsewhere = fragments.names_held_elsewhere(slots, [fragments.every_name(slots)])
+    index = read_index(root)  # after the collective: a rank that fails here hangs no one
+    matched = match_names(index, slots, strict, elsewhere)
+    reader = CheckpointReader(root, index)  # opens nothing until a read
+    ctx = LoadContext(root, index, reader, slots, optimizer, None, False, elsewhere, matched)
+    files = set()
+    for kind in (StateKind.PARAM, StateKind.BUFFER, StateKind.OPTIM):
+        for read in KINDS[kind].load().check(ctx):
+            files.update(piece.file for piece in read.entry.overlapping(read.start, read.end))
+    if index.meta.get(META_KEY) is not None:
+        save_id, rank = str(index.meta.get("save_id")), slots.world_comm.rank
+        files.add(run_file_name(save_id, 0))
+        if rank < int(index.meta.get("world_size", 0)):
+            files.add(run_file_name(save_id, rank))
+    return files
 
 
 class Loading:

@@ -46,6 +46,7 @@ def save_checkpoint(
     sampler: Any = None,
     asynchronous: bool = False,
     on_commit: Callable[[], None] | None = None,
+    after_save: Callable[[Communicator], None] | None = None,
 ) -> AsyncSave | None:
     """Save ``model`` (and ``optimizer``) to the folder ``path``; call on every rank.
 
@@ -60,11 +61,16 @@ def save_checkpoint(
     written, hashed and committed in the background, and ``result()`` raises any failure
     ([Note: asynchronous saves]). Any save first waits for the model's save in flight.
     ``on_commit`` runs on world rank 0 once the index is written, before any rank learns
-    that the save succeeded (its failure fails the save).
+    that the save succeeded (its failure fails the save). ``after_save(comm)`` runs on
+    every rank once every rank has learnt that the save succeeded, on the caller's thread
+    or the background thread, with the group the save ran on (``comm``; an asynchronous
+    save's own): its failure fails the save, and it settles its own collectives' failures
+    across ranks (the memory tier's peer copy: ckpt/tiered_save.py).
     """
     check_bool("asynchronous", asynchronous)
-    if on_commit is not None and not callable(on_commit):
-        raise TypeError(f"on_commit: expected a callable, got {type(on_commit).__name__}")
+    for name, hook in (("on_commit", on_commit), ("after_save", after_save)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{name}: expected a callable, got {type(hook).__name__}")
     root = os.fspath(path)
     slots = model_slots(model)
     comm = slots.world_comm
@@ -82,7 +88,7 @@ def save_checkpoint(
     staged = guarded(lambda: _stage_rank(SaveContext(save_id, slots, optimizer, sampler), saver))
     if saver is not None:
         extra = json.loads(json.dumps(extra, allow_nan=True))  # as of now, not of the commit
-    job = SaveJob(root, save_id, slots, optimizer, extra, on_commit)
+    job = SaveJob(root, save_id, slots, optimizer, extra, on_commit, after_save)
     finish = functools.partial(_finish_save, job, staged)
     if saver is None:
         finish(comm)
@@ -108,6 +114,7 @@ class SaveJob:
     optimizer: torch.optim.Optimizer | None
     extra: Any  # JSON, as of the call
     on_commit: Callable[[], None] | None
+    after_save: Callable[[Communicator], None] | None
 
 
 def _stage_rank(ctx: SaveContext, saver) -> Staged:
@@ -137,6 +144,8 @@ def _finish_save(job: SaveJob, staged: Outcome[Staged], comm: Communicator) -> N
         with gc_paused():  # millions of pieces at scale: see base/gc_pause.py
             error = _commit_unless_failed(job, gathered, staged.value)
     settle(comm, "save", job.root, error, undo)
+    if job.after_save is not None:
+        job.after_save(comm)
 
 
 def _commit_unless_failed(job: SaveJob, gathered: list, own: Staged | None) -> str | None:

@@ -17,7 +17,7 @@ class CommRecord:
     """One collective as this rank issued it."""
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast" | "all_to_all" |
-    # "redistribute"
+    # "redistribute" | "send"
     purpose: str  # e.g. "params", "grads", "grad_presence", "init"
     num_bytes: int  # bytes of the full (unsharded) buffer the collective works on
     group_size: int
@@ -30,7 +30,10 @@ class CommRecord:
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes each rank sends on a ring: (N-1)/N of the buffer, twice for an all-reduce."""
+        """Bytes each rank sends on a ring: (N-1)/N of the buffer, twice for an all-reduce;
+        all of it for a point-to-point ``send``."""
+        if self.kind == "send":
+            return float(self.num_bytes)
         factor = 2.0 if self.kind == "all_reduce" else 1.0
         return factor * self.num_bytes * (self.group_size - 1) / self.group_size
 

@@ -8,17 +8,18 @@ from . import collectives
 
 
 def data_parallel_mesh(mesh: object, device_type: str) -> DeviceMesh:
-    """``mesh`` checked to be a 1-D ``DeviceMesh``; ``None``: one over the default group
-    (FSDP2's default), of ``device_type``."""
+    """``mesh`` checked to be a 1-D ``DeviceMesh`` (FSDP) or a 2-D one, (replicate, shard)
+    (HSDP); ``None``: a 1-D one over the default group (FSDP2's default), of ``device_type``."""
     if mesh is None:
         if not collectives.is_initialized():
             raise ValueError("mesh: None needs an initialised default process group")
         return init_device_mesh(device_type, (collectives.world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh: expected a DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"mesh: a {mesh.ndim}-D mesh (HSDP) is not yet supported by shardwrap.fully_shard; "
-            "pass a 1-D mesh (mesh['dp'] of a bigger one)"
+            f"mesh: {mesh} is {mesh.ndim}-D; shardwrap.fully_shard takes a 1-D mesh (FSDP) "
+            "or a 2-D (replicate, shard) mesh (HSDP), as torch's FSDP2 does: pass "
+            "mesh['dp'] or mesh['dp_replicate', 'dp_shard'] of a bigger one"
         )
     return mesh

@@ -16,6 +16,8 @@ pages where they are touched] in base/pages.py), and the shard views' gradients 
 of it; the streamed optimizer step reads them back a sub-group at a time. The cast and
 the scaling are the ones done in memory, in the same order, so the values are the same
 bit for bit.
+
+HSDP's knobs (a skipped replica all-reduce, the all-reduce hook): :mod:`.replica_grads`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..layout.flat import FlatLayout
 from ..layout.grad_slots import GradSlots, chunk_split
 from .grad_buffers import ReusableGradBuffer, ScratchPool
 from .grad_transfer import assign_reduced, flatten_local_grads
+from .replica_grads import ReplicaGrads
 from .storage import GradStore, HostStorage
 from .tensor_parallel import TPSpec
 
@@ -115,6 +118,7 @@ class UnitGrads:
         self.shard_grad_view: Callable[[int, torch.Tensor], torch.Tensor] | None = None
         # What the summed gradient is divided by; None: the data-parallel size (the mean).
         self._divide_factor: float | None = None
+        self.replicas = ReplicaGrads()  # FSDP2's HSDP knobs (core/replica_grads.py)
 
     def set_divide_factor(self, factor: float | None) -> None:
         """Divide the summed gradient by ``factor`` from now on (None: by the number of
@@ -214,6 +218,10 @@ class UnitGrads:
     def accept_reduced(self, reduced: torch.Tensor, *, replicate_done: bool) -> None:
         """Finish a reduction of this rank's chunk (1D, chunk_numel): replicas, scale, add."""
         if self.replicate_comm is not None and not replicate_done:
+            if not self.replicas.all_reduce_grads:  # kept for the next backward's
+                self.replicas.keep(reduced)
+                return
+            self.replicas.add_kept(reduced)
             quantized.all_reduce(  # qgZ: hierarchical, quantized across replicas too
                 self.replicate_comm,
                 reduced,
@@ -224,7 +232,7 @@ class UnitGrads:
         if self.grad_store is not None and self.pending_grad_shard is None:
             self.pending_grad_shard = self._stored(reduced)
             return
-        reduced = reduced.to(self.dtype).div_(self.gradient_divisor)
+        reduced = self.replicas.divide(reduced.to(self.dtype), self.gradient_divisor)
         if self.host_staging is not None:  # the optimizer steps on the host
             reduced = self.host_staging.to_host(reduced)
         if self.pending_grad_shard is None:
@@ -238,7 +246,7 @@ class UnitGrads:
         store = self.grad_store
         assert store is not None
         kept = store.grad_buffer(self, self.comm_label, reduced.numel(), self.dtype)
-        kept.copy_(reduced).div_(self.gradient_divisor)
+        self.replicas.divide(kept.copy_(reduced), self.gradient_divisor)
         release_resident(kept)
         return kept
 
@@ -262,6 +270,9 @@ class UnitGrads:
         pending = self.pending_grad_shard
         self.pending_grad_shard = None
         self.local_grad_present = [False] * len(self.full_params)
+        present = self.replicas.presence(global_present, waits=pending is None)
+        if present is None:  # the skipped backward's flags wait with its kept sum
+            return
         if pending is not None:
             piece_of = self._piece_finder(pending)
             if self.shard_grad_view is not None:
@@ -270,7 +281,7 @@ class UnitGrads:
                 self.shard_params,
                 piece_of,
                 pending,
-                global_present,
+                present,
                 pending_is_kept=self._pending_is_kept or self.grad_store is not None,
             )
             if self.grad_store is not None:  # accumulated into: release what was touched

@@ -10,6 +10,10 @@ updates land in the shard the next all-gather reads, and the parameter objects n
 change identity ([Note: two views of each parameter] in ``flat_param.py``). They replace
 the handle's plain shard views in place, before a runtime indexes them.
 
+On a 2-D (replicate, shard) mesh (HSDP) the placements are ``(Replicate(), Shard(0))``,
+as FSDP2's: the local tensor is this rank's chunk within its shard group (the mesh's
+second dimension, the unit's shard communicator), the same on every replica.
+
 Gradients follow: each reduced piece becomes a ``DTensor`` with the same mesh, placement,
 global shape and stride, so ``clip_grad_norm_``, ``get_total_norm`` and optimizers see
 what they see under FSDP2.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..flat_param import FlatParamHandle
 from ..layout.chunks import ChunkLayout
@@ -36,10 +40,20 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def shard_placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """FSDP2's placements on ``mesh``: ``Shard(0)``, replicated first on a 2-D mesh."""
+    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+
 def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...]) -> DTensor:
-    """``local`` (this rank's dim-0 chunk) as the ``Shard(0)`` piece of a ``shape`` tensor."""
+    """``local`` (this rank's dim-0 chunk) as its piece of a ``shape`` tensor on ``mesh``."""
     return DTensor.from_local(
-        local, mesh, (Shard(0),), run_check=False, shape=shape, stride=contiguous_stride(shape)
+        local,
+        mesh,
+        shard_placements(mesh),
+        run_check=False,
+        shape=shape,
+        stride=contiguous_stride(shape),
     )
 
 

@@ -25,6 +25,7 @@ from ..assemble.wrap_options import WrapOptions
 from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import CommQuantization, ShardingStrategy
+from .assign_load import register_assign_hooks
 from .dtensor_views import install_dtensor_views
 from .fully_shard_args import (
     UnitOptions,
@@ -40,7 +41,10 @@ from .state import DoorUnit, set_state, state_of
 # torch's defaults, shared as torch shares them (frozen records).
 DEFAULT_MP_POLICY = MixedPrecisionPolicy()
 DEFAULT_OFFLOAD_POLICY = OffloadPolicy()
-STRATEGY = ShardingStrategy.FULL_SHARD  # resharding after forward is per unit (override)
+# Resharding after forward is per unit (an override); a 2-D mesh is HSDP: the engine's
+# hybrid sharding, sharded over the mesh's second dimension, replicated over its first.
+STRATEGY = ShardingStrategy.FULL_SHARD
+HSDP_STRATEGY = ShardingStrategy.HYBRID_SHARD
 
 
 def fully_shard(
@@ -59,7 +63,8 @@ def fully_shard(
     now ``FSDP<Name>`` (an :class:`FSDPModule`). A list of modules makes one unit of all
     their parameters ([Note: a list as one unit]). Call it bottom-up, the root last
     ([Note: bottom-up calls and the root]). Parameters become ``DTensor`` s sharded
-    ``Shard(0)`` on ``mesh`` ([Note: DTensor shard views]). What this release does not
+    ``Shard(0)`` on a 1-D ``mesh``, ``(Replicate(), Shard(0))`` on a 2-D one (HSDP)
+    ([Note: DTensor shard views]). What this release does not
     support is refused by name (``docs/migrating-from-fsdp2.md``).
     """
     members = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -101,6 +106,8 @@ def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options
     if unit.handle is not None:
         install_dtensor_views(unit.handle, mesh)
         root.runtime.index_shard_views()  # the views the optimizer will hold
+        for hook in register_assign_hooks(unit.handle, mesh):
+            unit.add_hook_handle(hook)
     state = DoorUnit(unit, mesh, options.reshard_after_forward, tuple(members))
     for owner in {id(m): m for m in [target, *members]}.values():
         set_state(owner, state)
@@ -115,11 +122,12 @@ def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options
 
 
 def _wrap_options(mesh, options: UnitOptions, ignored: frozenset) -> WrapOptions:
-    """The door's ``WrapOptions``: ZeRO-3 on ``mesh``'s group, FSDP2's dim-0 chunks, the
+    """The door's ``WrapOptions``: ZeRO-3 on ``mesh``'s group (HSDP on a 2-D mesh: shard
+    groups along its second dimension, replicas along its first), FSDP2's dim-0 chunks, the
     call's mixed precision and CPU offload ([Note: FSDP2's mixed precision on the engine],
     [Note: FSDP2's CPU offload on the engine])."""
     return WrapOptions(
-        sharding_strategy=STRATEGY,
+        sharding_strategy=STRATEGY if mesh.ndim == 1 else HSDP_STRATEGY,
         mixed_precision=options.mixed_precision,
         cpu_offload=options.cpu_offload,
         ignored_params=ignored,

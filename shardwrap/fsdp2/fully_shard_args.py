@@ -118,7 +118,10 @@ def parse_options(
     cpu_offload = _parse_offload_policy(offload_policy)
     ignored = _parse_ignored_params(ignored_params)
     if dp_mesh_dims is not None:
-        raise ValueError(f"dp_mesh_dims {NOT_YET}; pass a 1-D mesh as mesh=")
+        raise ValueError(
+            f"dp_mesh_dims {NOT_YET}; pass the data-parallel mesh itself as mesh= (1-D, "
+            "or 2-D (replicate, shard) for HSDP)"
+        )
     return UnitOptions(
         reshard_after_forward=reshard_after_forward,  # type: ignore[arg-type]
         mixed_precision=mixed_precision,

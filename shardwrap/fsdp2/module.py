@@ -18,6 +18,7 @@ from torch import nn
 from ..base.validate import check_bool
 from ..core.unit import Unit
 from .meta_init import apply_to_shards, hide_shards
+from .replicas import set_all_reduce, set_force_sum, set_hook
 from .state import runtime_for, state_of
 
 _CLASSES: dict[type, type] = {}
@@ -82,12 +83,33 @@ class FSDPModule:
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """Whether backward reduce-scatters gradients (False: accumulate them locally)."""
+        """Whether backward reduce-scatters gradients (False: accumulate them locally); sets
+        :meth:`set_requires_all_reduce` to the same, as FSDP2 does."""
         value = check_bool("requires_gradient_sync", requires_gradient_sync)
         runtime = _whole_root(self, "set_requires_gradient_sync", recurse)
         if not value:
             _check_local_accumulation(runtime)
+        for unit in runtime.units:  # without a sync nothing is reduced, so no check here
+            if unit.handle is not None:
+                unit.handle.grads.replicas.all_reduce_grads = value
         runtime.sync_grads = value
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
+        """Under HSDP (a 2-D mesh), whether backward all-reduces this module's unit's (and,
+        with ``recurse``, every unit's below) reduce-scattered gradients across replicas;
+        False keeps them for the next backward that does ([Note: the replica all-reduce
+        skipped] in ``core/replica_grads.py``). No effect on a 1-D mesh, as under FSDP2."""
+        value = check_bool("requires_all_reduce", requires_all_reduce)
+        modules = self.modules() if check_bool("recurse", recurse) else [self]  # type: ignore[attr-defined]
+        set_all_reduce(modules, value)
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """Call ``hook(reduced)`` in place on this module's unit's reduced gradient chunk:
+        after the replica all-reduce under HSDP, after the reduce-scatter on a 1-D mesh
+        ([Note: the all-reduce hook] in ``core/replica_grads.py``)."""
+        state = state_of(self)  # type: ignore[arg-type]
+        hsdp = state is not None and state.mesh.ndim == 2
+        set_hook(self, hook, stream, hsdp=hsdp)  # type: ignore[arg-type]
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         """Whether units free their gathered parameters after backward (default True)."""
@@ -154,12 +176,10 @@ class FSDPModule:
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted, and true either way: shardwrap's collectives always reduce with SUM
-        and divide afterwards, which is what ``enable=True`` asks of FSDP2."""
-        check_bool("enable", enable)
+        and divide afterwards, which is what ``enable=True`` asks of FSDP2. An all-reduce
+        hook then sees the sum, as under FSDP2 ([Note: the all-reduce hook])."""
+        set_force_sum(self, check_bool("enable", enable))  # type: ignore[arg-type]
 
-    _hsdp = "only a 1-D mesh (no replica all-reduce) is supported"
-    set_requires_all_reduce = _refused("set_requires_all_reduce", _hsdp)
-    set_all_reduce_hook = _refused("set_all_reduce_hook", _hsdp)
     _comms = "shardwrap's communicators own the collectives and their buffers"
     set_custom_all_gather = _refused("set_custom_all_gather", _comms)
     set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", _comms)

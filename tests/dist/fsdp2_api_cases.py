@@ -100,12 +100,7 @@ def stepped_units(rank: int, world_size: int) -> dict[str, int]:
     version, [Note: optimizer steps that bump no version] in flat_param.py)."""
     from shardwrap.fsdp2.state import state_of
 
-    torch.manual_seed(0)
-    model = fc.TinyModel()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        shardwrap.fully_shard(block, mesh=mesh)
-    shardwrap.fully_shard(model, mesh=mesh)
+    model = fc.sharded_tiny_model(world_size)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     idx, target = fc.batch(0, rank)
     loss = torch.nn.functional.cross_entropy(model(idx).reshape(-1, fc.OUT), target.reshape(-1))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import shardwrap
 from tests.dist import fsdp2_cases as fc
@@ -56,6 +57,23 @@ def reset_each(module: nn.Module) -> None:
 
 
 INITS: dict[str, Callable[[nn.Module], None]] = {"init_fn": init_weights, "reset": reset_each}
+# Not an in-place init: the weights loaded with load_state_dict(assign=True) (load_assigned).
+ASSIGN = "assign"
+
+
+def load_assigned(model: nn.Module) -> None:
+    """accelerate's ``fsdp2_load_full_state_dict``: a full model's weights (built and
+    seeded alike on every rank), each ``distribute_tensor`` ed onto its sharded
+    parameter's mesh and placements, loaded with ``load_state_dict(assign=True)``."""
+    torch.manual_seed(0)
+    full = BufferedModel().state_dict()
+    sharded = {}
+    for name, target in model.state_dict().items():
+        if isinstance(target, DTensor):
+            sharded[name] = distribute_tensor(full[name], target.device_mesh, target.placements)
+        else:
+            sharded[name] = full[name]
+    model.load_state_dict(sharded, assign=True)
 
 
 def copy_after_to_empty(model: nn.Module) -> None:
@@ -79,12 +97,16 @@ def run_meta_script(
     for block in model.blocks:
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    if control:
-        copy_after_to_empty(model)
-    torch.manual_seed(0)
+    if init == ASSIGN:
+        load_assigned(model)
+    else:
+        model.to_empty(device="cpu")
+        if control:
+            copy_after_to_empty(model)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.apply(INITS[init])
     with torch.no_grad():
-        model.apply(INITS[init])
         model.offset.copy_(torch.linspace(-0.1, 0.1, fc.DIM))
     initial = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     optim = torch.optim.AdamW(model.parameters(), lr=fc.LR, weight_decay=0.1)
@@ -110,7 +132,7 @@ def compare(rank: int, world_size: int, init: str, control: bool) -> list[str]:
     )
     dist.barrier()
     initial, ours = run_meta_script(shardwrap.fully_shard, rank, world_size, init, control)
-    found = refusals(world_size)
+    found = refusals(world_size) + (assign_refusals(world_size) if init == ASSIGN else [])
     found += [
         f"init: {n} differs" for n in torch_initial if not torch.equal(torch_initial[n], initial[n])
     ]
@@ -130,3 +152,26 @@ def refusals(world_size: int) -> list[str]:
         if "convert before it" in str(error) and model.offset.dtype == torch.float32:
             return []
     return ["model.to(torch.float64) after fully_shard: not refused before converting"]
+
+
+def assign_refusals(world_size: int) -> list[str]:
+    """What ``load_state_dict(assign=True)`` is refused on shardwrap's door before it
+    assigns anything, a line for each it lets through: a plain tensor (FSDP2 needs a
+    DTensor there), a DTensor in another dtype."""
+    model = BufferedModel()
+    shardwrap.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    view = model.head.weight
+    full = torch.ones(view.shape)
+    wrong = {
+        TypeError: full,
+        ValueError: distribute_tensor(full.double(), view.device_mesh, view.placements),
+    }
+    found = []
+    for error_type, tensor in wrong.items():
+        try:
+            model.load_state_dict({"head.weight": tensor}, strict=False, assign=True)
+        except error_type as error:
+            if "'head.weight'" in str(error) and model.head.weight is view:
+                continue
+        found.append(f"assign {error_type.__name__}: not refused before assigning")
+    return found

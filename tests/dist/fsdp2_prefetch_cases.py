@@ -32,12 +32,7 @@ def probe(rank: int, world_size: int, explicit: bool) -> dict[str, list[bool]]:
     """Per step, whether block 1's gather is issued while block 0 computes its forward,
     and block 0's while block 1 computes its backward. ``explicit``: block 0 prefetches
     block 1 in forward, and block 1 prefetches nothing in backward."""
-    torch.manual_seed(0)
-    model = fc.TinyModel()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        shardwrap.fully_shard(block, mesh=mesh)
-    shardwrap.fully_shard(model, mesh=mesh)
+    model = fc.sharded_tiny_model(world_size)
     first, second = model.blocks
     if explicit:
         first.set_modules_to_forward_prefetch([second])

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import shardwrap
 from shardwrap.fsdp2.state import state_of
 from tests.dist import fsdp2_cases as fc
-from tests.tolerances import REORDER_SAFE_ADAMW, REORDERED_VALUE_TOL, reordered_param_tol
+from tests.tolerances import REORDER_SAFE_ADAMW
 
 GROUP = 2  # the blocks reshard to pairs of ranks after forward
 # At 4 ranks the gradient sums' order differs between gloo's reduce-scatter (torch) and
@@ -23,7 +23,7 @@ GROUP = 2  # the blocks reshard to pairs of ranks after forward
 SCRIPT = fc.Script(
     adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)), block_reshard=GROUP
 )
-REORDERED = fc.Tolerances(values=REORDERED_VALUE_TOL, params=reordered_param_tol)
+REORDERED = fc.REORDERED
 
 
 class Recording:

@@ -14,6 +14,7 @@ import os
 import torch
 
 import shardwrap
+from tests.tolerances import ADAMW_EPS
 
 STEPS = 3  # per phase: train, save, resume in fresh processes, train again
 VOCAB, SEQ = 96, 16
@@ -156,10 +157,39 @@ class _TokenData(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def trainer_run(*, fsdp: bool, output_dir: str, resume: str | None = None) -> list[float]:
+TRAINER_LR = 1e-3
+TRAINER_MAX_GRAD_NORM = 1.0  # the Trainer's default: clipping runs through the wrapper
+
+
+def trainer_run(
+    *, fsdp: bool, output_dir: str, resume: str | None = None, record: dict | None = None
+) -> list[float]:
     """``transformers.Trainer`` for ``2 * STEPS`` steps, a checkpoint every ``STEPS``;
     FSDP1 (``fsdp="full_shard auto_wrap"``) when ``fsdp``, else its DDP. The logged
-    losses of the steps it ran."""
+    losses of the steps it ran (``record``: see :func:`trainer_train`)."""
+    trainer, losses = trainer_train(
+        fsdp_version=1 if fsdp else None, output_dir=output_dir, resume=resume, record=record
+    )
+    if fsdp:
+        assert isinstance(trainer.model_wrapped, shardwrap.FullyShardedDataParallel)
+    return losses
+
+
+def trainer_train(
+    *,
+    fsdp_version: int | None,
+    output_dir: str,
+    resume: str | None = None,
+    record: dict | None = None,
+):
+    """``transformers.Trainer`` for ``2 * STEPS`` steps, a checkpoint every ``STEPS``;
+    with ``fsdp="full_shard auto_wrap"`` in that FSDP version (1: FSDP1, 2: FSDP2's
+    ``fully_shard``), or its DDP for None. The trainer, and the logged losses of the steps
+    it ran. Its AdamW takes ``tolerances.ADAMW_EPS``: FSDP1's run and DDP's are compared
+    with a bound (the wrapped parameters are views into flat buffers, where kernels block
+    their sums otherwise). ``record`` gets, per step, the sum of the gradients' magnitudes
+    and their largest element (as the optimizer gets them: clipped), the logged gradient
+    norms (before clipping), and the largest parameter at the end."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -180,35 +210,40 @@ def trainer_run(*, fsdp: bool, output_dir: str, resume: str | None = None) -> li
 
     losses: list[float] = []
 
+    seen: dict = {"grad_l1s": [], "largest_grads": [], "grad_norms": []}
+
     class RecordLoss(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
+                seen["grad_norms"].append(float(logs["grad_norm"]))
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            seen["grad_l1s"].append(sum(float(g.abs().sum()) for g in grads))
+            seen["largest_grads"].append(max(float(g.abs().max()) for g in grads if g.numel()))
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     fsdp_args = {}
-    if fsdp:
-        fsdp_args = dict(
-            fsdp="full_shard auto_wrap",
-            # version 1: FSDP1 (transformers 5 defaults to FSDP2's fully_shard). Module
-            # states are identical on every rank already; syncing them needs an
-            # accelerator device in accelerate.
-            fsdp_config={
-                "version": 1,
-                "sync_module_states": False,
-                "transformer_layer_cls_to_wrap": ["GPT2Block"],
-            },
-        )
+    if fsdp_version is not None:
+        fsdp_config = {"version": fsdp_version, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
+        if fsdp_version == 1:
+            # Module states are identical on every rank already; syncing them needs an
+            # accelerator device in accelerate (FSDP2 has no such setting).
+            fsdp_config["sync_module_states"] = False
+        fsdp_args = dict(fsdp="full_shard auto_wrap", fsdp_config=fsdp_config)
     args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, max_steps=2 * STEPS, save_steps=STEPS,
-        per_device_train_batch_size=2, logging_steps=1, report_to=[], learning_rate=1e-3,
+        per_device_train_batch_size=2, logging_steps=1, report_to=[], learning_rate=TRAINER_LR,
+        adam_epsilon=ADAMW_EPS, max_grad_norm=TRAINER_MAX_GRAD_NORM,
         lr_scheduler_type="constant", seed=0, **fsdp_args,
     )  # fmt: skip
     trainer = FSDPOnCPU(
         model=build_model("gpt2"), args=args, train_dataset=_TokenData(), callbacks=[RecordLoss()]
     )
     trainer.train(resume_from_checkpoint=resume)
-    if fsdp:
-        assert isinstance(trainer.model_wrapped, shardwrap.FullyShardedDataParallel)
-    return losses
+    if record is not None:
+        record.update(seen)
+        record["largest_param"] = max(float(p.abs().max()) for p in trainer.model.parameters())
+    return trainer, losses

@@ -16,49 +16,8 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
-from tests import models
 from tests.dist.hf_frameworks import set_launcher_env
-
-NUM_SAMPLES = 8  # per rank and epoch: 4 steps of 2
-
-
-def make_module():
-    import lightning.pytorch as pl
-
-    class GPTModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(1234)
-            self.gpt = models.TinyGPT(depth=2)
-            # Its optional branch would get no gradient: AdamW keeps no state for it, which
-            # Lightning's resume then asks the checkpoint for (torch's FSDP2 fails alike).
-            del self.gpt.extra
-            self.losses: list[torch.Tensor] = []
-
-        def configure_model(self) -> None:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.gpt.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.gpt, mesh=mesh)
-
-        def training_step(self, batch, _index):
-            loss = models.gpt_loss(self.gpt, batch)
-            self.losses.append(loss.detach().clone())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.01)
-
-        def train_dataloader(self):
-            pairs = [models.gpt_batch(seed, batch=1) for seed in range(2 * NUM_SAMPLES)]
-            data = torch.utils.data.TensorDataset(
-                torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
-            )
-            return torch.utils.data.DataLoader(data, batch_size=2)
-
-    return GPTModule()
+from tests.dist.lightning_worker import make_module
 
 
 def fit(rank: int, world_size: int, max_steps: int, ckpt: str | None):
@@ -66,7 +25,7 @@ def fit(rank: int, world_size: int, max_steps: int, ckpt: str | None):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     set_launcher_env(rank, world_size)
-    module = make_module()
+    module = make_module(fsdp2=True)
     strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,

@@ -20,7 +20,9 @@ from tests.dist.hf_frameworks import set_launcher_env
 NUM_SAMPLES = 8  # per rank and epoch: 4 steps of 2
 
 
-def make_module():
+def make_module(fsdp2: bool = False):
+    """The LightningModule (a TinyGPT); ``fsdp2``: the one FSDP2 users write for
+    ``ModelParallelStrategy``, sharding itself in ``configure_model``."""
     import lightning.pytorch as pl
 
     class GPTModule(pl.LightningModule):
@@ -45,7 +47,26 @@ def make_module():
             )
             return torch.utils.data.DataLoader(data, batch_size=2)
 
-    return GPTModule()
+    if not fsdp2:
+        return GPTModule()
+
+    class FSDP2GPTModule(GPTModule):
+        def __init__(self) -> None:
+            super().__init__()
+            # Its optional branch would get no gradient: AdamW keeps no state for it, which
+            # Lightning's resume then asks the checkpoint for (torch's FSDP2 fails alike).
+            del self.gpt.extra
+
+        def configure_model(self) -> None:
+            # Imported when it runs, so shardwrap.install() decides whose it is.
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.gpt.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.gpt, mesh=mesh)
+
+    return FSDP2GPTModule()
 
 
 def make_trainer(strategy_name: str, max_steps: int):

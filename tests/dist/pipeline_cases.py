@@ -88,19 +88,22 @@ def dp_mean_loss(step_losses: list[torch.Tensor], dp_group, dp: int) -> float:
     return float(mean.detach()) / dp
 
 
-def reference_run(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training on the same global batches: losses and final parameters."""
+def reference_run(dp: int) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """Single-process training on the same global batches: losses, final parameters and
+    each step's sum of gradient magnitudes (for ``tolerances.reordered_loss_atols``)."""
     model = whole_model()
     optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
-    losses = []
+    losses, grad_l1s = [], []
     for step in range(NUM_STEPS):
         x, y = global_batch(step, dp)
         loss = F.mse_loss(model(x), y)
         loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_l1s.append(sum(float(g.abs().sum()) for g in grads))
         optim.step()
         optim.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, grad_l1s
 
 
 def build_stages(pp: int, dp: int, strategy: str, virtual: int, keep_gathered: bool):

@@ -172,8 +172,12 @@ def unwrapped_worker(rank, world_size, folder, which):
         parity.loss_for("gpt", model, parity.concat(batches), step).backward()
         optim.step()
         optim.zero_grad()
+    # from the same state, two steps summed over the whole batch against two ranks' sums
+    # (control: the loss doubled in these steps failed tok.weight by 5.7e-3 against 1.1e-3)
+    tol = parity.reordered_tol("adamw", 2, parity.batch_terms("gpt", SAVE_WORLD))
     for key, value in expected["after"]["model"].items():
-        torch.testing.assert_close(model.state_dict()[key], value, msg=key)
+        got = model.state_dict()[key]
+        torch.testing.assert_close(got, value, msg=lambda m, k=key: f"{k}: {m}", **tol)
     return True
 
 

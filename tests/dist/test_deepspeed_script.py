@@ -9,14 +9,23 @@ the same ranks, as written on DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``; its Adam
 without a process group: shardwrap's ``initialize`` sets one up from the launcher's
 variables, and DeepSpeed's reuses it.
 
-Comparison: losses agree with ``torch.testing.assert_close``'s fp32 defaults at every stage,
+Comparison: losses agree within a derived bound at every stage (:func:`loss_atols`: the
+drift of the steps before each loss, under the config's AdamW with ``tolerances.ADAMW_EPS``),
 and bit for bit at stages 0 and 1 up to the first optimizer step that clipping changes.
 Why not further: DeepSpeed clips by a norm summed from per-parameter fp32 norms, ours sums
 squares in fp64 (as our FSDP-style ``clip_grad_norm_``), so once clipping engages the
 scaled gradients differ in the last bit. At stages 2 and 3 DeepSpeed's losses also drift by an
-ulp or two without clipping (from about the fifth optimizer step: its flat-partition reduce or
-step rounds differently; not pinned down further), and its reported global gradient norms
-differ from ours in the last bits (compared with ``assert_close``).
+ulp or two without clipping (its flat-partition reduce or step rounds differently; not pinned
+down further), and its reported global gradient norms differ from ours in the last bits: the
+first step's norm is compared within ``tolerances.reordered_norm_atol``; later ones also
+carry the parameters' drift through the loss's curvature, which tests/tolerances.py does not
+bound, so they are not compared. Each rank's loss gradients for the bounds come from the
+script's training redone in plain torch here (:func:`plain_run`). Seen: losses at most
+1.2e-7 apart (stages 2 and 3; equal at 0 and 1), bounds 6e-6 at the first micro-step to
+2.3e-2 at the last; the first norms 3e-8 apart. As a control the losses of the untrained
+Net exceed the bound at one micro-step only (3.1 bounds, the others 0.07 to 0.98): the
+drift of five AdamW steps through |grad|_1 leaves these losses a coarse check, the exact
+prefix at stages 0 and 1 the strict one.
 The first run on a machine compiles DeepSpeed's shared-memory communication op (about a
 minute, cached in ~/.cache/torch_extensions afterwards).
 """
@@ -32,7 +41,11 @@ import deepspeed  # noqa: F401 (a declared test dependency: a broken install fai
 import deepspeed.comm.torch as deepspeed_comm_backend
 import pytest
 import torch
+import torch.nn.functional as F
 
+from shardwrap.deepspeed.lr_schedules import WarmupLR
+from tests import tolerances
+from tests.dist import deepspeed_style_script as script
 from tests.dist import harness
 from tests.dist.harness import run_ranks
 
@@ -43,27 +56,90 @@ STAGES = (0, 1, 2, 3)
 # the harness's 120 s. The limit catches a hang; it does not time the test.
 SCRIPT_RUNS_TIMEOUT_S = 600.0
 BIT_EXACT_STAGES = (0, 1)
-CLIP = 0.75  # engages from about the fourth optimizer step
+# The script's steps before its save (two more follow, and again after the load): five
+# optimizer steps in all, the most tolerances.reordered_param_atol bounds.
+SCRIPT_STEPS = 3
+CLIP = 0.6  # the step norms run 0.49, 0.59, 0.63, 0.83, 0.73: engages from the third
+MICRO, ACCUMULATION, WORLD = 4, 2, 2
+LR, WARMUP = 0.01, {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 4}
+ADAMW = {"lr": LR, "weight_decay": 0.01, "eps": tolerances.ADAMW_EPS}
 CONFIG = {
-    "train_micro_batch_size_per_gpu": 4,
-    "gradient_accumulation_steps": 2,
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": ACCUMULATION,
     "steps_per_print": 2,
     "gradient_clipping": CLIP,
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True},
-    },
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 4},
-    },
+    # eps: a bound for runs whose sums differ in order (tests/tolerances.py)
+    "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
+    "scheduler": {"type": "WarmupLR", "params": WARMUP},
 }
 
 
-def close(actual, expected) -> None:
-    """``assert_close`` with fp32's tolerances (the values are fp32 losses and norms)."""
-    as_fp32 = lambda values: torch.tensor(values, dtype=torch.float32)
-    torch.testing.assert_close(as_fp32(actual), as_fp32(expected))
+def plain_run(rank: int) -> dict:
+    """The script's training (``SCRIPT_STEPS`` + 2 optimizer steps on both ranks' batches)
+    redone in plain torch: per micro-step the sum of the magnitudes of this rank's loss
+    gradient, the eval loss's at the end, the largest element of a step's gradient, the
+    first step's norm and the largest parameter."""
+    torch.manual_seed(0)
+    model = script.Net()
+    params = list(model.parameters())
+    optim = torch.optim.AdamW(params, **ADAMW)
+    scheduler = WarmupLR(optim, **WARMUP)
+    num_micro = (SCRIPT_STEPS + 2) * ACCUMULATION
+    batches = []
+    for r in range(WORLD):  # as the script draws them
+        g = torch.Generator().manual_seed(100 + r)
+        batches.append(
+            [
+                (torch.randn(MICRO, 8, generator=g), torch.randn(MICRO, 4, generator=g))
+                for _ in range(num_micro)
+            ]
+        )
+    run: dict = {"grad_l1s": [], "largest": 0.0, "numel": sum(p.numel() for p in params)}
+    for micro in range(num_micro):
+        for r in range(WORLD):
+            x, y = batches[r][micro]
+            grads = torch.autograd.grad(F.mse_loss(model(x), y), params)
+            if r == rank:
+                run["grad_l1s"].append(sum(float(g.abs().sum()) for g in grads))
+            for p, g in zip(params, grads, strict=True):
+                share = g / (ACCUMULATION * WORLD)
+                p.grad = share if p.grad is None else p.grad + share
+        if micro % ACCUMULATION == ACCUMULATION - 1:
+            run["largest"] = max(run["largest"], max(float(p.grad.abs().max()) for p in params))
+            norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP))
+            run.setdefault("first_norm", norm)
+            optim.step()
+            scheduler.step()
+            optim.zero_grad()
+    x, y = batches[rank][0]
+    grads = torch.autograd.grad(F.mse_loss(model(x), y), params)
+    run["eval_grad_l1"] = sum(float(g.abs().sum()) for g in grads)
+    run["largest_param"] = max(float(p.detach().abs().max()) for p in params)
+    return run
+
+
+def loss_atols(run: dict, losses: list[float], eval_loss: float) -> tuple[list[float], float]:
+    """Per micro-step the loss's bound: ``tolerances.reordered_loss_atol`` with the
+    parameters apart by the optimizer steps before it (``reordered_param_atol`` at the
+    warm-up's largest ``LR``, twice the largest gradient element as the terms' scale, as
+    tolerances.GRAD_SCALE sits above its models', times the clipping's
+    ``clipped_grad_multiple``; the tolerances' default sums, 64 terms 80 deep, bound the
+    Net's 17-term, 8-deep ones); and the eval loss's, after the last step."""
+    scale = 2.0 * run["largest"]
+    scale *= tolerances.clipped_grad_multiple(run["numel"], CLIP, grad_scale=scale)
+
+    def drift(steps: int) -> float:
+        if not steps:
+            return 0.0
+        atol = tolerances.reordered_param_atol(steps, lr=LR, grad_scale=scale)
+        return atol + tolerances.step_rounding_rtol(steps) * run["largest_param"]
+
+    atols = [
+        tolerances.reordered_loss_atol(loss, grad_l1, drift(micro // ACCUMULATION))
+        for micro, (loss, grad_l1) in enumerate(zip(losses, run["grad_l1s"], strict=True))
+    ]
+    final = drift(SCRIPT_STEPS + 2)
+    return atols, tolerances.reordered_loss_atol(eval_loss, run["eval_grad_l1"], final)
 
 
 def _free_port() -> int:
@@ -105,6 +181,7 @@ def _worker(rank: int, world_size: int, port: int, root: str) -> dict:
             ("deepspeed", "import deepspeed\n"),
         ):
             argv = ["--deepspeed", "--deepspeed_config", config_path]
+            argv += ["--steps", str(SCRIPT_STEPS)]
             argv += ["--save_dir", os.path.join(root, f"{name}{stage}")]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -123,6 +200,7 @@ def test_deepspeed_script_runs_on_shardwrap_and_matches_deepspeed(tmp_path, monk
         (tmp_path / f"stage{stage}.json").write_text(json.dumps(config))
     per_rank = run_ranks(_worker, 2, _free_port(), str(tmp_path))
     for rank, results in enumerate(per_rank):
+        plain = plain_run(rank)
         for stage in STAGES:
             ours, theirs = results[("shardwrap", stage)], results[("deepspeed", stage)]
             assert ours["ranks"] == theirs["ranks"] == (rank, 2, rank)
@@ -131,19 +209,24 @@ def test_deepspeed_script_runs_on_shardwrap_and_matches_deepspeed(tmp_path, monk
             assert ours["precision"] == theirs["precision"] == (False, False)
             assert ours["lrs"] == theirs["lrs"], stage  # WarmupLR step for step
             assert ours["lrs"][:3] == [0.001] * 3  # two optimizer steps at warmup_min_lr
-            assert ours["client_seen"] == theirs["client_seen"] == 10
+            split = SCRIPT_STEPS * ACCUMULATION
+            assert ours["client_seen"] == theirs["client_seen"] == split
             assert ours["loaded"] and theirs["loaded"]
             assert ours["step_applied"] and theirs["step_applied"]
-            assert ours["after_load"] == ours["losses"][10:]  # resumed exactly
+            assert ours["after_load"] == ours["losses"][split:]  # resumed exactly
             assert ours["logging_warnings"] == 1  # steps_per_print: accepted, one warning
-            close(ours["losses"], theirs["losses"])
-            close(ours["eval_loss"], theirs["eval_loss"])
+            atols, eval_atol = loss_atols(plain, theirs["losses"], theirs["eval_loss"])
+            tolerances.check_losses(ours["losses"], theirs["losses"], atols, f"stage {stage}")
+            assert abs(ours["eval_loss"] - theirs["eval_loss"]) <= eval_atol, stage
             # Micro-step i's norm is the one its optimizer step clipped by.
             first_clip = next(i for i, n in enumerate(ours["norms"]) if n and n > CLIP)
-            assert 2 < first_clip < 10
+            assert 2 < first_clip < split
             if stage in BIT_EXACT_STAGES:
                 exact = first_clip + 1  # losses computed before any clipped update
                 assert ours["losses"][:exact] == theirs["losses"][:exact], stage
-            reported = [(a, b) for a, b in zip(ours["norms"], theirs["norms"]) if b is not None]
-            if reported:  # DeepSpeed reports a norm at stages 1-3 only
-                close(*map(list, zip(*reported)))
+            if theirs["norms"][1] is not None:  # DeepSpeed reports a norm at stages 1-3 only
+                first_norm = plain["first_norm"]  # the first step's: no drift before it
+                norm_atol = tolerances.reordered_norm_atol(
+                    2.0, plain["numel"], first_norm, grad_scale=2.0 * plain["largest"]
+                )
+                assert abs(ours["norms"][1] - theirs["norms"][1]) <= norm_atol, stage

@@ -15,7 +15,12 @@ import torch
 
 from tests.dist import pipeline_cases as pc
 from tests.dist.harness import run_ranks
-from tests.tolerances import REORDERED_GRAD_TOL, REORDERED_VALUE_TOL, reordered_param_tol
+from tests.tolerances import (
+    REORDERED_GRAD_TOL,
+    check_losses,
+    reordered_loss_atols,
+    reordered_param_tol,
+)
 
 PP, WORLD = 2, 4
 CASES = [
@@ -37,12 +42,15 @@ def reference():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_pipeline_matches_single_process(results, reference, case):
-    ref_losses, ref_params = reference
+    ref_losses, ref_params, grad_l1s = reference
+    largest = max(float(p.abs().max()) for p in ref_params.values())
+    # each step's loss: its own rounding and the drift of the steps before it
+    loss_atols = reordered_loss_atols(ref_losses, grad_l1s, largest, reordered_param_tol)
     seen: set[str] = set()
     for rank, by_case in enumerate(results):
         out = by_case[case]
         if rank // (WORLD // PP) == PP - 1:  # the last stage computes the losses
-            torch.testing.assert_close(out["losses"], ref_losses, **REORDERED_VALUE_TOL)
+            check_losses(out["losses"], ref_losses, loss_atols, f"rank {rank}")
         for name, value in out["final"].items():
             torch.testing.assert_close(
                 value,

@@ -13,7 +13,13 @@ from shardwrap.assemble.root import root_of
 from shardwrap.runtime.step import NUM_DIGEST_WORDS
 from tests import models
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, STRATEGIES, run_ranks
-from tests.dist.parity import build_model, make_optimizer, wrap_policy
+from tests.dist.parity import (
+    batch_terms,
+    build_model,
+    make_optimizer,
+    reordered_tol,
+    wrap_policy,
+)
 
 
 def _one_step(model, optim, rank: int, step: int, use_extra: bool = False) -> None:
@@ -171,7 +177,12 @@ def _grads_worker(rank: int, world_size: int, strategy: str) -> dict:
         optim.zero_grad()
         ref_optim.zero_grad()
         if step == 1:
-            # momentum must not have moved the unused parameters in the second step
+            # momentum must not have moved the unused parameters in the second step; the
+            # reference sums the ranks' gradients in autograd's order, on its own aligned
+            # parameters: SGD's derived bound over these two steps (control: the reference's
+            # unused weight given a zero gradient, so momentum moves it, failed by 1.5e-2
+            # against 2.5e-6)
+            tol = reordered_tol("sgd", 2, batch_terms("gpt", world_size))
             ref = dict(reference.named_parameters())
             for u in sharded.units:
                 pieces = u.handle.layout.pieces(u.handle.shard_comm.rank)
@@ -179,7 +190,7 @@ def _grads_worker(rank: int, world_size: int, strategy: str) -> dict:
                     want = ref[info.fqn].detach().reshape(-1)
                     if u.handle.num_shards > 1:
                         want = want[piece.param_start : piece.param_end]
-                    torch.testing.assert_close(p.detach().reshape(-1), want)
+                    torch.testing.assert_close(p.detach().reshape(-1), want, **tol)
     return results
 
 

@@ -83,19 +83,22 @@ def local_batch(step: int, dp_rank: int, dp: int = DP):
     return x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
 
 
-def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training on the global batches: losses and final parameters."""
+def reference_run() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """Single-process training on the global batches: losses, final parameters and
+    each step's sum of gradient magnitudes (for ``tolerances.reordered_loss_atols``)."""
     model = whole_model()
     optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
-    losses = []
+    losses, grad_l1s = [], []
     for step in range(NUM_STEPS):
         x, y = global_batch(step)
         loss = F.mse_loss(model(x), y)
         loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_l1s.append(sum(float(g.abs().sum()) for g in grads))
         optim.step()
         optim.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grad_l1s
 
 
 def build_stage(strategy: str, seed: int = 4321, infer: bool = False):

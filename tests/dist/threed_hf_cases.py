@@ -109,19 +109,22 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def reference_run(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The plain Hugging Face model trained in one process: losses, final parameters."""
+def reference_run(dp: int) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """The plain Hugging Face model trained in one process: losses, final parameters,
+    each step's sum of gradient magnitudes (for ``tolerances.reordered_loss_atols``)."""
     model = whole_model()
     optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
-    losses = []
+    losses, grad_l1s = [], []
     for step in range(NUM_STEPS):
         x, y = global_batch(step, dp)
         loss = loss_fn(model(input_ids=x).logits, y)
         loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_l1s.append(sum(float(g.abs().sum()) for g in grads))
         optim.step()
         optim.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grad_l1s
 
 
 def _stage(mesh, pp: int, strategy: str):

@@ -143,19 +143,22 @@ def local_rows(batch, dp_rank: int, dp: int = DP):
 
 
 def reference_run(num_steps: int = NUM_STEPS, max_norm: float | None = None):
-    """Losses, clipping norms and final parameters of single-process training."""
+    """Losses, clipping norms and final parameters of single-process training, and each
+    step's sum of gradient magnitudes before clipping (``tolerances.reordered_loss_atols``)."""
     model = build_reference()
     optim = torch.optim.AdamW(model.parameters(), **REORDER_SAFE_ADAMW)
-    losses, norms = [], []
+    losses, norms, grad_l1s = [], [], []
     for step in range(num_steps):
         loss = loss_of(model, *global_batch(step))
         loss.backward()
+        grad_l1s.append(sum(float(p.grad.abs().sum()) for p in model.parameters()))
         if max_norm is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         optim.step()
         optim.zero_grad()
         losses.append(loss.detach())
-    return losses, norms, {n: p.detach().clone() for n, p in model.state_dict().items()}
+    state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return losses, norms, state, grad_l1s
 
 
 def wrap(model: nn.Module, mesh, strategy: str = "FULL_SHARD", **kwargs) -> ShardedModule:

@@ -17,8 +17,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 import shardwrap
 from shardwrap.base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
 from shardwrap.core.grads import checked_divide_factor
+from shardwrap.core.replica_grads import ReplicaGrads
 from shardwrap.fsdp2.fully_shard_args import check_offload_mesh, parse_options
 from shardwrap.fsdp2.module import FSDPModule, _check_local_accumulation, as_fsdp_module
+from shardwrap.fsdp2.replicas import set_hook
 from shardwrap.options import CPUOffload, MixedPrecision
 
 DEFAULTS = dict(
@@ -141,6 +143,8 @@ REFUSED = [
         "set_force_sum_reduction_for_comms",
         "set_modules_to_forward_prefetch",
         "set_modules_to_backward_prefetch",
+        "set_requires_all_reduce",
+        "set_all_reduce_hook",
     )
 ]
 
@@ -187,3 +191,42 @@ def test_an_fp16_policy_without_reduce_dtype_follows_the_torch_release():
     else:
         parsed = parse_options(**{**DEFAULTS, "mp_policy": policy})
         assert parsed.mixed_precision.reduce_dtype == torch.float32
+
+
+def test_the_all_reduce_hooks_arguments_are_checked_by_name():
+    """FSDP2's own ValueError for a stream under HSDP; on a 1-D mesh a stream is refused
+    (the hook runs on the current stream). Negative control: a callable, no stream, passes."""
+    module = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="hook: expected a callable"):
+        set_hook(module, None, None, hsdp=True)
+    with pytest.raises(ValueError, match="stream: cannot be set when using native HSDP"):
+        set_hook(module, print, object(), hsdp=True)
+    with pytest.raises(NotImplementedError, match=r"set_all_reduce_hook\(stream=...\)"):
+        set_hook(module, print, object(), hsdp=False)
+    set_hook(module, print, None, hsdp=True)  # no fully_shard state: no unit to set
+
+
+def test_a_skipped_all_reduce_keeps_the_sum_and_its_presence_flags():
+    """[Note: the replica all-reduce skipped]: kept outputs add up, in place, and join the
+    next all-reduce's input; the flags of a backward that assigned nothing join the next
+    assignment's. Negative control: nothing kept, the flags pass through unchanged."""
+    replicas = ReplicaGrads()
+    assert replicas.presence([True, False], waits=True) == [True, False]
+    first, second = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25])
+    replicas.keep(first)
+    replicas.keep(second)
+    assert replicas.presence([False, True], waits=True) is None  # waits with the sum
+    reduced = torch.tensor([4.0, 8.0])
+    replicas.add_kept(reduced)
+    assert torch.equal(reduced, torch.tensor([5.5, 10.25])) and replicas.kept is None
+    assert replicas.presence([False, False], waits=False) == [False, True]
+
+
+@pytest.mark.parametrize(("sees_sum", "expected"), [(False, [2.5]), (True, [1.0])])
+def test_the_hook_runs_on_the_quotient_unless_the_comms_only_sum(sees_sum, expected):
+    """[Note: the all-reduce hook]: after the division by default, before it under
+    set_force_sum_reduction_for_comms(True); each case is the other's negative control."""
+    replicas = ReplicaGrads()
+    replicas.hook = lambda reduced: reduced.add_(2.0)
+    replicas.hook_sees_sum = sees_sum
+    assert replicas.divide(torch.tensor([2.0]), 4.0).tolist() == expected

@@ -106,9 +106,11 @@ def test_hybrid_shard_reduction_stays_within_the_bound_through_a_model(replicas:
     # the profile's saving is against what the same model sends unquantized
     _, plain_step, _, plain_records = _backward(replicas, None)
     plain_across = [r for r in plain_records if r.kind == "all_reduce" and r.purpose == "grads"]
+    # byte counts through + * / of Python floats: IEEE's correctly rounded operations give
+    # the same bits on every machine, so equal here is equal everywhere
     unquantized = sum(r.unquantized_wire_bytes for r in across)
-    assert unquantized == pytest.approx(sum(r.wire_bytes for r in plain_across), rel=1e-12)
+    assert unquantized == sum(r.wire_bytes for r in plain_across)
     grads_wire = sum(s.wire_bytes for s in step.collectives if s.purpose == "grads")
     plain_wire = sum(s.wire_bytes for s in plain_step.collectives if s.purpose == "grads")
-    assert step.saved_wire_bytes() == pytest.approx(plain_wire - grads_wire, rel=1e-12)
+    assert step.saved_wire_bytes() == plain_wire - grads_wire
     assert plain_wire > grads_wire > 0

@@ -96,7 +96,7 @@ def test_low_precision_inputs_and_outputs() -> None:
     back = dequantize(quantize(x, codec), 100, codec, torch.bfloat16)
     assert back.dtype == torch.bfloat16
     reference = dequantize(quantize(x.float(), codec), 100, codec)
-    torch.testing.assert_close(back, reference.to(torch.bfloat16))
+    torch.testing.assert_close(back, reference.to(torch.bfloat16), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
