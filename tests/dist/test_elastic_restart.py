@@ -12,9 +12,12 @@ same script, as ``float.hex`` strings. Each step's batch depends only on the ste
 rank, and the checkpoint holds parameters and AdamW state exactly, so nothing else may
 differ.
 
-Negative control (run once): the example's resume disabled (``resume`` returning 0): the
-restarted workers started over from fresh weights, and step 5's loss differed from the
-uninterrupted run's.
+Negative controls (run once): the example's resume loading the model but not the
+optimizer's state: it resumed from step-4 and the losses after it differed from the
+uninterrupted run's; its resume disabled: the workers started over at step 1 and said
+nothing of a resume. Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``_launch``) the
+test passed in some runs and in others spent its rounds on gloo connects refused to the
+killed round's addresses (one of three manual runs ran past 90 s).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ def _launch(
     torchrun_args: list[str], folder: Path, name: str, fault: list[str] | None = None
 ) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # Each rendezvous round's workers get a store of their own (docs/checkpoints.md,
+    # "Elastic restart"): on the store torchrun shares by default, gloo's restarted ranks
+    # could read the killed round's addresses and fail to connect, costing a round each.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     script = [str(EXAMPLE)] if fault is None else [str(FAULTY), *fault, "--"]
     script += [*TINY, "--save-every", "2", "--ckpt-dir", str(folder / name)]
     script += ["--losses", str(folder / f"{name}.losses")]
@@ -99,7 +106,4 @@ def test_a_killed_worker_is_restarted_and_resumes_with_the_same_numbers(tmp_path
     ]
     logs = "\n".join(_finish(agents))
     assert marker.exists() and "resumed from" in logs, logs
-    found = _losses(tmp_path / "elastic.losses")
-    assert found == expected, logs
-    logged = [int(line.split()[0]) for line in (tmp_path / "elastic.losses").read_text().splitlines()]
-    assert len(logged) > STEPS, logged  # steps after the checkpoint ran twice
+    assert _losses(tmp_path / "elastic.losses") == expected, logs
