@@ -3,8 +3,17 @@
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
 
 On CPU the ranks use gloo; with CUDA, NCCL and one GPU per rank. The corpus is the
-project's README, so nothing is downloaded. Halfway through, it saves a sharded checkpoint,
-restores it into a freshly built model (as a restarted job would) and trains on.
+project's README, so nothing is downloaded. It starts from the newest checkpoint in
+``--ckpt-dir`` that loads, when there is one (a restarted job goes on where it stopped).
+Without ``--save-every``, halfway through it saves a sharded checkpoint, restores it into
+a freshly built model (as a restarted job would) and trains on; with it, it saves every
+that many steps, which is what a job restarted by torchrun's elastic agent resumes from:
+
+    torchrun --nnodes 1:2 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:PORT examples/train_gpt.py --save-every 10
+
+Each step's batch depends only on the step and the rank, so a resumed run sees the data
+the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwrap
-from shardwrap.checkpoint import load_checkpoint, save_checkpoint
+from shardwrap.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardwrap.wrap import ModuleWrapPolicy
 
 
@@ -67,7 +76,9 @@ def corpus() -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
-def batch(data: torch.Tensor, seq: int, size: int, generator: torch.Generator):
+def batch(data: torch.Tensor, seq: int, size: int, step: int, rank: int):
+    """Step ``step``'s sequences for ``rank``: the same whoever asks, and whenever."""
+    generator = torch.Generator().manual_seed(1_000_003 * step + rank)
     starts = torch.randint(0, len(data) - seq - 1, (size,), generator=generator)
     rows = torch.stack([data[s : s + seq + 1] for s in starts])
     return rows[:, :-1], rows[:, 1:]
@@ -124,11 +135,12 @@ def build(args, device: torch.device, use_cuda: bool, seed: int = 0):
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def train(model, optim, data, generator, args, steps: range, device: torch.device) -> None:
+def train(model, optim, data, args, steps: range, device: torch.device) -> None:
+    """Train over ``steps``; with ``--save-every``, save after every that many steps."""
     rank = dist.get_rank()
     start = time.perf_counter()
     for count, step in enumerate(steps, start=1):
-        inputs, targets = (t.to(device) for t in batch(data, args.seq, args.batch, generator))
+        inputs, targets = (t.to(device) for t in batch(data, args.seq, args.batch, step, rank))
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
@@ -138,13 +150,37 @@ def train(model, optim, data, generator, args, steps: range, device: torch.devic
         optim.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
+        mean = mean.item() / dist.get_world_size()
+        if rank == 0 and args.losses:
+            with open(args.losses, "a", encoding="utf-8") as log:
+                log.write(f"{step} {mean.hex()}\n")
         if rank == 0 and (step % 5 == 0 or count == 1):
             elapsed = time.perf_counter() - start
-            print(
-                f"step {step:4d}/{args.steps}  loss {mean.item() / dist.get_world_size():.4f}"
-                f"  {elapsed / count:.3f}s/step",
-                flush=True,
+            print(f"step {step:4d}/{args.steps}  loss {mean:.4f}  {elapsed / count:.3f}s/step")
+        if args.save_every and step % args.save_every == 0:
+            save_checkpoint(
+                Path(args.ckpt_dir) / f"step-{step}", model, optim, extra={"step": step}
             )
+
+
+def resume(ckpt_dir: str, model, optim) -> int:
+    """Load the newest checkpoint under ``ckpt_dir`` that loads; its step (0: none).
+
+    A refused load changes nothing, so one that a killed save left unfinished (or a
+    damaged one) is skipped for the one before it.
+    """
+    folders = [p for p in Path(ckpt_dir).glob("step-*") if p.name[5:].isdigit()]
+    for folder in sorted(folders, key=lambda p: int(p.name[5:]), reverse=True):
+        try:
+            extra = load_checkpoint(folder, model, optim)
+        except CheckpointError as error:
+            if dist.get_rank() == 0:
+                print(f"skipping {folder}: {error}")
+            continue
+        if dist.get_rank() == 0:
+            print(f"resumed from {folder}", flush=True)
+        return int(extra["step"])
+    return 0
 
 
 def main() -> None:
@@ -156,7 +192,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--strategy", default="FULL_SHARD")
     parser.add_argument("--ckpt-dir", default="runs/demo", help="where checkpoints go")
+    parser.add_argument("--save-every", type=int, default=0, help="steps between saves")
+    parser.add_argument("--losses", default="", help="rank 0 appends 'step loss.hex()' here")
     args = parser.parse_args()
+    if args.save_every < 0:
+        parser.error(f"--save-every: expected a step count >= 0, got {args.save_every}")
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -176,24 +216,34 @@ def main() -> None:
             f"{dist.get_world_size()} ranks on {device.type}"
         )
     data = corpus().to(device)
-    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     model, optim = build(args, device, use_cuda)
-    half = args.steps // 2
-    train(model, optim, data, generator, args, range(1, half + 1), device)
-    ckpt = Path(args.ckpt_dir) / f"step-{half}"
-    save_checkpoint(ckpt, model, optim, extra={"step": half, "rng": generator.get_state().tolist()})
+    done = resume(args.ckpt_dir, model, optim)
+    if args.save_every or done:
+        train(model, optim, data, args, range(done + 1, args.steps + 1), device)
+    else:
+        demo_restart(model, optim, data, args, device, use_cuda)
     if rank == 0:
+        print(f"trained to step {args.steps}; checkpoints in {args.ckpt_dir}", flush=True)
+    dist.destroy_process_group()
+
+
+def demo_restart(model, optim, data, args, device: torch.device, use_cuda: bool) -> None:
+    """The demo: train half, save, restore into a fresh model as a restarted job would,
+    train the rest and save."""
+    half = args.steps // 2
+    train(model, optim, data, args, range(1, half + 1), device)
+    ckpt = Path(args.ckpt_dir) / f"step-{half}"
+    save_checkpoint(ckpt, model, optim, extra={"step": half})
+    if dist.get_rank() == 0:
         print(f"saved a sharded checkpoint to {ckpt}; restoring it into a fresh model")
     del model, optim  # as if the job had been restarted
     model, optim = build(args, device, use_cuda, seed=1)  # other weights: the load must win
     extra = load_checkpoint(ckpt, model, optim)
-    generator.set_state(torch.tensor(extra["rng"], dtype=torch.uint8))
-    train(model, optim, data, generator, args, range(extra["step"] + 1, args.steps + 1), device)
+    train(model, optim, data, args, range(extra["step"] + 1, args.steps + 1), device)
     final = Path(args.ckpt_dir) / f"step-{args.steps}"
     save_checkpoint(final, model, optim, extra={"step": args.steps})
-    if rank == 0:
+    if dist.get_rank() == 0:
         print(f"saved {final}; look inside with: python -m shardwrap inspect {final}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
