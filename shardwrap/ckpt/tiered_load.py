@@ -82,7 +82,8 @@ def load_newest(
 ) -> Resumed:
     """Load the newest complete checkpoint whose checksums hold; call on every rank."""
     slots = model_slots(model)
-    selection = newest_checkpoint(locations, model)
+    places = _locations(locations, model)
+    selection = choose(places)
     comm = slots.world_comm
     if comm.rank == 0:  # a skip is news (printed even where logging is not set up)
         level = logging.WARNING if selection.skipped else logging.INFO
@@ -90,8 +91,7 @@ def load_newest(
     if selection.chosen is None:
         raise CheckpointError(f"load_checkpoint: no loadable checkpoint: {selection.describe()}")
     if selection.chosen.tier is Tier.MEMORY:
-        nodes = memory_nodes(locations, comm)
-        _make_whole(selection, slots, nodes, optimizer, strict)
+        _make_whole(selection, slots, places.nodes, optimizer, strict)
     extra = loading.load_checkpoint(
         selection.path, model, optimizer, strict=strict, sampler=sampler, restore_rng=restore_rng
     )
@@ -102,11 +102,17 @@ def newest_checkpoint(locations: CheckpointTiers | list | tuple, model: Any) -> 
     """The newest complete checkpoint whose checksums hold among ``locations``, which it
     skipped and why; the same on every rank (call on every rank: each verifies its share
     of the files). Loads nothing."""
+    return choose(_locations(locations, model))
+
+
+def _locations(locations: CheckpointTiers | list | tuple, model: Any) -> Locations:
+    """The candidates' places as this rank sees them, the memory tier's nodes found once
+    (an all-gather of host names unless ``ranks_per_node`` is given)."""
     comm = model_slots(model).world_comm
     tiers, paths = _parse_locations(locations)
     async_save.wait_for_previous(model)  # a save in the background may be of these tiers
     nodes = memory_nodes(tiers, comm) if tiers is not None and tiers.memory else None
-    return choose(Locations(comm, tiers, nodes, paths))
+    return Locations(comm, tiers, nodes, paths)
 
 
 def _parse_locations(locations) -> tuple[CheckpointTiers | None, list[str]]:

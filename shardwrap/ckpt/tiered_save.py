@@ -36,6 +36,7 @@ import torch
 
 from ..base.validate import check_int
 from ..comm.collectives import Communicator
+from ..comm.json_values import broadcast_json
 from .async_save import AsyncSave
 from .format import (
     INDEX_NAME,
@@ -170,20 +171,13 @@ def own_files(index: CheckpointIndex, rank: int) -> list[str]:
 
 def _broadcast_index(comm: Communicator, folder: str) -> bytes:
     """World rank 0's ``index.json`` bytes, on every rank (empty if it cannot read it:
-    the spread then fails on every rank)."""
-    data = b""
+    the spread then fails on every rank). Sent as text, so the bytes arrive unchanged (the
+    index's digest is compared across nodes)."""
+    text = ""
     if comm.rank == 0:
-        data = guarded(lambda: _read_bytes(os.path.join(folder, INDEX_NAME))).value or b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    comm.broadcast(size, src_rank=0, purpose="checkpoint").wait()
-    if comm.rank == 0:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-    else:
-        buffer = torch.empty(int(size), dtype=torch.uint8)
-    if int(size):
-        comm.broadcast(buffer, src_rank=0, purpose="checkpoint").wait()
-        return buffer.numpy().tobytes()
-    return b""
+        path = os.path.join(folder, INDEX_NAME)
+        text = guarded(lambda: _read_bytes(path).decode("utf-8")).value or ""
+    return broadcast_json(comm, text, purpose="checkpoint").encode("utf-8")
 
 
 def _read_bytes(path: str) -> bytes:
