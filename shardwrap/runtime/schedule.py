@@ -292,7 +292,7 @@ def _not_run_yet(units: list[Unit]) -> list[Unit]:
     A forward re-run in backward (activation checkpointing) must not bucket the units
     after it: their backward is over.
     """
-    return list(itertools.takewhile(lambda u: u.state is TrainingState.IDLE, units))
+    return list(itertools.takewhile(_idle, units))
 
 
 def _backward_next(
