@@ -32,13 +32,13 @@ minute, cached in ~/.cache/torch_extensions afterwards).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
 import warnings
 
 import deepspeed  # noqa: F401 (a declared test dependency: a broken install fails, never skips)
-import deepspeed.comm.torch as deepspeed_comm_backend
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,12 @@ from tests import tolerances
 from tests.dist import deepspeed_style_script as script
 from tests.dist import harness
 from tests.dist.harness import run_ranks
+
+# Not ``import deepspeed.comm.torch as ...``: that binds ``deepspeed.comm``'s attribute
+# ``torch``, the torch package itself, so the patch below went to torch and DeepSpeed
+# compiled its op on every fresh machine (seen: 1-2 min of CPU in each CI run).
+deepspeed_comm_backend = importlib.import_module("deepspeed.comm.torch")
+assert deepspeed_comm_backend.__name__ == "deepspeed.comm.torch"
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "deepspeed_style_script.py")
 STAGES = (0, 1, 2, 3)
