@@ -25,22 +25,34 @@ settings.load_profile("shardwrap")
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "fresh_ranks: run_ranks spawns new rank processes for this test instead of using the "
-        "session's pool (see [Note: pooled ranks] in tests/dist/harness.py)",
+        "fresh_ranks: run_ranks starts new rank processes (forked from the preloaded "
+        "server) for this test instead of using the session's pool (see [Note: pooled "
+        "ranks] in tests/dist/harness.py)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "spawned_ranks: run_ranks spawns new interpreters for this test (a test of what "
+        "happens at interpreter exit, which forked ranks skip)",
     )
 
 
 @pytest.fixture(autouse=True)
 def _fresh_ranks_when_marked(request):
-    """``@pytest.mark.fresh_ranks``: every run_ranks call of the test spawns new ranks."""
-    if request.node.get_closest_marker("fresh_ranks") is None:
-        yield
-        return
-    previous, harness.FRESH_RANKS = harness.FRESH_RANKS, True
+    """``@pytest.mark.fresh_ranks``: every run_ranks call of the test starts new ranks;
+    ``@pytest.mark.spawned_ranks``: new interpreters."""
+    settings = {
+        name: True
+        for marker, name in (("fresh_ranks", "FRESH_RANKS"), ("spawned_ranks", "SPAWNED_RANKS"))
+        if request.node.get_closest_marker(marker) is not None
+    }
+    previous = {name: getattr(harness, name) for name in settings}
+    for name, value in settings.items():
+        setattr(harness, name, value)
     try:
         yield
     finally:
-        harness.FRESH_RANKS = previous
+        for name, value in previous.items():
+            setattr(harness, name, value)
 
 
 @pytest.fixture(autouse=True, scope="session")

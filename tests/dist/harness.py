@@ -39,8 +39,12 @@ there: the server runs no torch op, starts no thread of its own and joins no pro
 (the test process's at the pool's start, as a spawned child would inherit it) and reseeds
 numpy's global generator (fork copies it; ``random`` reseeds itself). A pooled rank ends
 with ``os._exit`` either way, so what a forked process skips at exit (interpreter
-finalization) was never a pool's to check. Fresh ranks are still spawned: their exit is
-what some tests check. ``SHARDWRAP_SPAWN_POOLS=1`` spawns pooled ranks too.
+finalization) was never a pool's to check. Fresh ranks (``fresh=True``, the
+``fresh_ranks`` marker) are forked from the same server: new processes that ran no earlier
+test, without the seconds of imports a spawn costs (24 spawns a suite, about 4 s of CPU
+each, before). Only a test of what happens at interpreter exit, which a forked process
+skips, needs ``spawned=True`` (the ``spawned_ranks`` marker): new interpreters.
+``SHARDWRAP_SPAWN_POOLS=1`` spawns pooled and fresh ranks too.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ DEATH_GRACE_S = 10.0  # after a rank dies, how long the others may take to repor
 
 # Set for one test by the ``fresh_ranks`` marker (tests/conftest.py).
 FRESH_RANKS = os.environ.get("SHARDWRAP_FRESH_RANKS", "") not in ("", "0")
+# Set for one test by the ``spawned_ranks`` marker: fresh ranks in new interpreters.
+SPAWNED_RANKS = False
 # Pooled ranks spawned instead of forked from a preloaded server ([Note: pooled ranks are forked]).
 SPAWN_POOLS = os.environ.get("SHARDWRAP_SPAWN_POOLS", "") not in ("", "0")
 # What the forkserver imports once for every pooled rank: torch, shardwrap, and the heavy
@@ -103,15 +109,22 @@ POOL_EVENTS: list[str] = []
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, fresh: bool = False
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    fresh: bool = False,
+    spawned: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank.
 
-    ``fresh``: on newly spawned processes instead of the session's pool ([Note: pooled
-    ranks]).
+    ``fresh``: on new processes instead of the session's pool ([Note: pooled ranks]),
+    forked from the preloaded server; ``spawned``: new interpreters, for a test of what
+    happens at interpreter exit ([Note: pooled ranks are forked]).
     """
+    if spawned or SPAWNED_RANKS:
+        return _run_fresh(fn, world_size, args, mp.get_context("spawn"))
     if fresh or FRESH_RANKS:
-        return _run_fresh(fn, world_size, *args)
+        return _run_fresh(fn, world_size, args, _pool_context())
     pool = _POOLS.get(world_size)
     if pool is not None and not pool.alive():
         POOL_EVENTS.append(f"world {world_size}: a rank had died between tests; replaced")
@@ -153,13 +166,20 @@ def shutdown_pools() -> None:
 # --------------------------------------------------------------------------- fresh ranks
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn, args, queue, parent_pid: int) -> None:
+def _entry(
+    rank: int, world_size: int, init_file: str, fn, args, queue, parent_pid: int, environ: dict
+) -> None:
     _watch_parent(parent_pid)
+    _as_if_spawned(environ)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-        )
+        try:
+            dist.init_process_group(
+                "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+            )
+        except RuntimeError:
+            queue.put((rank, False, RENDEZVOUS_FAILED + traceback.format_exc()))
+            return
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
@@ -212,14 +232,42 @@ def _reports_after_death(procs, queue, results: dict[int, Any], errors: list[str
             return
 
 
-def _run_fresh(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    ctx = mp.get_context("spawn")
+# [Note: a fresh group that fails to form]
+# gloo's full-mesh connect of new ranks sometimes fails with "Connection closed by peer"
+# before any of the test's code ran: forked fresh ranks while a pool of the same size
+# lives, 3 of 50 calls here (spawned ones: 0 of 12 then, once in test_deepspeed_script.py
+# under heavy load before). The cause is not pinned down (gloo's own connect; the
+# rendezvous file is new each call). It is the harness's rendezvous, not the test's
+# property: such a call starts again on a new rendezvous, up to RENDEZVOUS_ATTEMPTS
+# times, and says so in the session's pool events. A failure after the group formed is
+# never retried.
+RENDEZVOUS_FAILED = "the gloo group of fresh ranks did not form:\n"
+RENDEZVOUS_ATTEMPTS = 3
+
+
+def _run_fresh(fn: Callable[..., Any], world_size: int, args: tuple, ctx) -> list[Any]:
+    results, errors = _run_fresh_once(fn, world_size, args, ctx)
+    for _ in range(RENDEZVOUS_ATTEMPTS - 1):
+        if not (len(errors) == 1 and RENDEZVOUS_FAILED in errors[0]):
+            break
+        POOL_EVENTS.append(f"fresh ranks of {_fn_name(fn)}: the group did not form; again")
+        results, errors = _run_fresh_once(fn, world_size, args, ctx)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+def _run_fresh_once(
+    fn: Callable[..., Any], world_size: int, args: tuple, ctx
+) -> tuple[dict[int, Any], list[str]]:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        environ = dict(os.environ)  # what a spawned child inherits, given to forked ones
         procs = [
             ctx.Process(
-                target=_entry, args=(r, world_size, init_file, fn, args, queue, os.getpid())
+                target=_entry,
+                args=(r, world_size, init_file, fn, args, queue, os.getpid(), environ),
             )
             for r in range(world_size)
         ]
@@ -239,9 +287,7 @@ def _run_fresh(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]
         exits = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
         if not errors and exits:
             errors.append(f"ranks exited with non-zero codes after reporting: {exits}")
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return results, errors
 
 
 # ---------------------------------------------------------------------------- the pool

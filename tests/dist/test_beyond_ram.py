@@ -64,8 +64,9 @@ def test_residency_fails_with_releases_not_widened_to_fault_around(tmp_path) -> 
 def test_disk_offload_trains_a_model_several_times_the_ceiling(tmp_path) -> None:
     """Private memory (not the offloaded state: see the module docstring) stays under a
     ceiling the same model trained in memory meets; disk and memory train bit for bit alike."""
-    # Fresh ranks: the ceiling and the malloc settings must not reach the shared pool.
-    results = run_ranks(ceiling_cases.trains_beyond_the_ceiling, 2, str(tmp_path), fresh=True)
+    # New interpreters: the ceiling and the malloc settings must not reach the shared
+    # pool, and the scratch folders go at interpreter exit, which a forked rank skips.
+    results = run_ranks(ceiling_cases.trains_beyond_the_ceiling, 2, str(tmp_path), spawned=True)
     for rank, result in enumerate(results):
         assert result["state_bytes"] >= 3 * ceiling_cases.CEILING_HEADROOM, (rank, result)
         # The same model in memory meets the ceiling (and says so, rather than swapping).

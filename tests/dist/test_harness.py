@@ -72,6 +72,18 @@ def test_marker_spawns_fresh_ranks() -> None:
     assert run_ranks(_pid, 2) != run_ranks(_pid, 2)
 
 
+def _parent_pid(rank: int, world_size: int) -> int:
+    return os.getppid()
+
+
+def test_fresh_ranks_are_forked_and_spawned_ones_are_new_interpreters() -> None:
+    """A forked fresh rank's parent is the preloaded server, a spawned one's this process
+    (test_exit.py's checks at interpreter exit need the latter: run on forked ranks, its
+    exit handlers never ran and the test failed on the missing reports, seen once)."""
+    assert set(run_ranks(_parent_pid, 2, spawned=True)) == {os.getpid()}
+    assert os.getpid() not in run_ranks(_parent_pid, 2, fresh=True)
+
+
 def test_failure_surfaces_and_pool_is_replaced() -> None:
     before = run_ranks(_pid, 2)
     with pytest.raises(AssertionError, match="rank 1 gives up"):
@@ -156,3 +168,34 @@ def test_a_tests_cycles_are_collected_before_the_next_test() -> None:
     ``_Task.restore`` keeps the last test's model alive and fails this test."""
     run_ranks(_leave_a_cycle, 2)
     assert run_ranks(_cycle_collected, 2) == [True, True]
+
+
+def test_fresh_ranks_start_again_only_when_their_group_did_not_form(monkeypatch) -> None:
+    """[Note: a fresh group that fails to form]: another start after a rendezvous failure,
+    none after a failure of the test's code (the control: that error is raised at once),
+    and no more than ``RENDEZVOUS_ATTEMPTS`` in all."""
+    attempts: list[str] = []
+
+    def once(outcomes):
+        def fake(fn, world_size, args, ctx):
+            attempts.append("start")
+            return outcomes[len(attempts) - 1]
+
+        return fake
+
+    formed = ({0: "a", 1: "b"}, [])
+    not_formed = ({}, [f"rank 1:\n{harness.RENDEZVOUS_FAILED}RuntimeError: connectFullMesh"])
+    monkeypatch.setattr(harness, "_run_fresh_once", once([not_formed, formed]))
+    assert harness._run_fresh(_pid, 2, (), None) == ["a", "b"]
+    assert len(attempts) == 2
+    attempts.clear()
+    failed = ({}, ["rank 0:\nAssertionError: the test's own failure"])
+    monkeypatch.setattr(harness, "_run_fresh_once", once([failed, formed]))
+    with pytest.raises(AssertionError, match="the test's own failure"):
+        harness._run_fresh(_pid, 2, (), None)
+    assert len(attempts) == 1
+    attempts.clear()
+    monkeypatch.setattr(harness, "_run_fresh_once", once([not_formed] * 5))
+    with pytest.raises(AssertionError, match="did not form"):
+        harness._run_fresh(_pid, 2, (), None)
+    assert len(attempts) == harness.RENDEZVOUS_ATTEMPTS
