@@ -211,9 +211,14 @@ KINDS: dict[StateKind, KindIO] = {
 }
 
 
-def save_all(ctx: SaveContext) -> Saved:
-    """What every state kind saves on this rank, in the enum's order."""
+# The kinds whose pieces are tensors: an asynchronous save plans their host copy once per
+# layout ([Note: staging plans] in staging_plan.py); the run state is taken at every save.
+TENSOR_KINDS = (StateKind.PARAM, StateKind.BUFFER, StateKind.OPTIM)
+
+
+def save_all(ctx: SaveContext, kinds: tuple[StateKind, ...] = tuple(StateKind)) -> Saved:
+    """What every state kind (of ``kinds``) saves on this rank, in the enum's order."""
     saved = Saved()
-    for kind in StateKind:
+    for kind in kinds:
         saved.add(KINDS[kind].save(ctx))
     return saved
