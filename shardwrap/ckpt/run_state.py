@@ -29,6 +29,7 @@ import json
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,9 +199,21 @@ def write_run_file(root: str, save_id: str, rank: int, world_size: int, sampler:
 
 def save_run(ctx: SaveContext) -> Saved:
     """:attr:`StateKind.RUN`'s save: this rank's run file, and the index's record of them."""
+    return take_run(ctx)(ctx.save_id)
+
+
+def take_run(ctx: SaveContext) -> Callable[[str], Saved]:
+    """:attr:`StateKind.RUN`'s part of an asynchronous save: the generators and the data
+    position as of now; the run file and the index's record once the save id is known."""
     comm = ctx.slots.world_comm
-    run_file = run_file_bytes(ctx.save_id, comm.rank, comm.size, ctx.sampler)
-    return Saved(files=[run_file], meta={META_KEY: index_record(ctx.sampler)})
+    snapshot = snapshot_run(ctx.sampler)
+    meta = {META_KEY: index_record(ctx.sampler)}
+
+    def contribution(save_id: str) -> Saved:
+        run_file = run_record_bytes(snapshot, save_id, comm.rank, comm.size)
+        return Saved(files=[run_file], meta=dict(meta))
+
+    return contribution
 
 
 def run_file_bytes(save_id: str, rank: int, world_size: int, sampler: Any) -> tuple[str, bytes]:

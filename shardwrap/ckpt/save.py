@@ -28,7 +28,7 @@ from . import async_save, fragments, run_state
 from .async_save import AsyncSave
 from .commit import commit_index
 from .format import CheckpointError, FileEntry, read_index, shard_file_name, write_atomic
-from .kinds import save_all
+from .kinds import save_all, take_all
 from .outcome import Outcome, agree_on_id, check_json, guarded, json_snapshot, settle
 from .piece_records import RankReport, SaveContext, Saved, SentFragment
 from .safetensors_writer import write_stream
@@ -125,8 +125,7 @@ class Taken:
     """What an asynchronous save takes on the caller's thread ([Note: asynchronous saves])."""
 
     plan: StagingPlan  # its items read the staged copies
-    run: run_state.RunSnapshot
-    meta: dict[str, Any]  # the run state's record for the index header
+    contributions: Callable[[str], Saved]  # the other kinds' (the run state), given the id
     extra: Any  # JSON, as of the call
     groups: list[dict[str, Any]] | None  # the param groups' settings, as of the call
     values: list[Any]  # the optimizer state that is a JSON value (the plan's sites)
@@ -149,9 +148,8 @@ def _take(saver: async_save.AsyncSaver, model: Any, optimizer, extra: Any, sampl
     extra = json_snapshot("extra", extra)
     plan = saver.stage(model, optimizer)
     groups, values = plan.values_now(optimizer)
-    run = run_state.snapshot_run(sampler)
-    meta = {run_state.META_KEY: run_state.index_record(sampler)}
-    return Taken(plan, run, meta, extra, groups, values)
+    contributions = take_all(SaveContext("", plan.slots, optimizer, sampler))
+    return Taken(plan, contributions, extra, groups, values)
 
 
 def _finish_in_background(
@@ -170,9 +168,9 @@ def _finish_in_background(
 
 def _staged_from(taken: Taken, save_id: str) -> Staged:
     """The staged state of ``taken`` as a save of ``save_id`` writes it."""
-    plan, comm = taken.plan, taken.plan.slots.world_comm
-    run_file = run_state.run_record_bytes(taken.run, save_id, comm.rank, comm.size)
-    saved = Saved(list(plan.items), list(plan.records), [run_file], dict(taken.meta))
+    plan = taken.plan
+    saved = Saved(list(plan.items), list(plan.records))
+    saved.add(taken.contributions(save_id))  # the kinds after the tensor kinds, in order
     fragment = plan.fragment_with(taken.groups, taken.values)
     return Staged(saved, fragments.to_send(plan.slots, fragment))
 

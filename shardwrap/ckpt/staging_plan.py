@@ -172,6 +172,7 @@ def build_plan(
     slots = model_slots(model)
     plan = StagingPlan(key, slots)
     saved = save_all(SaveContext("", slots, optimizer, None), TENSOR_KINDS)
+    assert not saved.files and not saved.meta  # the tensor kinds contribute pieces only
     plan.records = saved.records
     plan.fragment = fragments.fragment(slots, optimizer)
     if optimizer is not None:
