@@ -1,30 +1,35 @@
 """The training loop's stall per checkpoint save: synchronous, asynchronous, and torch DCP.
 
-Run: PYTHONPATH=$PWD python benchmarks/bench_async_ckpt.py [--sizes 30m] [--saves 4]
-     [--world-size 2] [--root /tmp]
+Run: PYTHONPATH=$PWD python benchmarks/bench_async_ckpt.py [--sizes 30m,300m] [--saves 6]
+     [--savers sync,async,dcp] [--world-size 2] [--root /tmp]
 
-On ``--world-size`` gloo ranks (CPU), per GPT size (``benchmarks/gpt.py``; ``100m`` is
-defined here), each of three savers in turn trains AdamW one step, then saves ``--saves``
-times with one training step after each save:
+On ``--world-size`` gloo ranks (CPU), per GPT size (``benchmarks/gpt.py``; ``100m`` and
+``300m`` are defined here), each of three savers in turn trains AdamW one step, then saves
+``--saves`` times with one training step after each save:
 
 * ``sync``: ``shardwrap.save_checkpoint`` (ZeRO-3, one unit per block);
 * ``async``: the same with ``asynchronous=True`` (each save first waits for the last);
-* ``dcp``: ``torch.distributed.checkpoint.async_save`` of the model's and optimizer's
-  state dicts, torch FSDP2 (``fully_shard`` per block, then the root, as
-  ``benchmarks/impls.py``'s ``_fsdp2``), waiting for the previous save's future first.
+* ``dcp``: ``torch.distributed.checkpoint.async_save`` (its default stager) of the model's
+  and optimizer's state dicts (``get_state_dict``, inside the timed call), torch FSDP2
+  (``fully_shard`` per block, then the root, as ``benchmarks/impls.py``'s ``_fsdp2``),
+  waiting for the previous save's future first.
 
 The stall of a save is the wall time of the call, the slowest rank's; saves are spaced
-so that the previous one has finished (its wait is not timed). Printed: the first save's
-stall (it allocates the staging buffers), the median of the later ones, the physical
-floor (the bytes of a rank's state, parameters and optimizer state, over the memcpy
-bandwidth measured here) and the median's ratio to it, the median time of the training
-step right after a save (it runs beside the background write) and of the save's call
-until it has finished plus that step.
+so that the previous one has finished (its wait is not timed, and its folder is removed).
+Right before each save every rank measures its host memcpy bandwidth (best of 3 copies of
+256 MiB between two warm buffers), so each save has its own physical floor: the bytes of
+the rank's state (parameter shards and optimizer state) over that bandwidth, the slowest
+rank's. Printed per saver: the first save's stall (it allocates the staging buffers), the
+median and range of the later ones, the median of their ratios to their floors and that
+ratio's range, the median time of the training step right after a save (it runs beside
+the background write) and of the save's call until it has finished plus that step; and
+``/proc/loadavg`` before and after each size (timings on a loaded machine mean little).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -42,22 +47,36 @@ import shardwrap  # noqa: E402
 from benchmarks import gpt  # noqa: E402
 from shardwrap.policies import ModuleWrapPolicy  # noqa: E402
 
-SIZES = {**gpt.SIZES, "100m": gpt.GPTConfig(vocab=1024, dim=1024, depth=8, num_heads=16, seq=64)}
+SIZES = {
+    **gpt.SIZES,
+    "100m": gpt.GPTConfig(vocab=1024, dim=1024, depth=8, num_heads=16, seq=64),
+    "300m": gpt.GPTConfig(vocab=1024, dim=1024, depth=24, num_heads=16, seq=64),  # 304M
+}
 SAVERS = ("sync", "async", "dcp")
 BATCH = 2
 MEMCPY_BYTES = 256 << 20
 
 
-def memcpy_bandwidth() -> float:
-    """Bytes per second of a host-to-host tensor copy (best of 5, 256 MiB)."""
-    source = torch.ones(MEMCPY_BYTES // 4)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - started)
-    return MEMCPY_BYTES / best
+class Memcpy:
+    """Two warm host buffers: this rank's memcpy bandwidth, measured on demand."""
+
+    def __init__(self) -> None:
+        self.source = torch.ones(MEMCPY_BYTES // 4)
+        self.target = torch.zeros_like(self.source)
+
+    def bandwidth(self, repeats: int = 3) -> float:
+        """Bytes per second of a host-to-host tensor copy (best of ``repeats``, 256 MiB)."""
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            self.target.copy_(self.source)
+            best = min(best, time.perf_counter() - started)
+        return MEMCPY_BYTES / best
+
+
+def load_average() -> str:
+    with open("/proc/loadavg", encoding="ascii") as handle:
+        return " ".join(handle.read().split()[:3])
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -133,13 +152,18 @@ def train_step(model, optimizer, config: gpt.GPTConfig, step: int) -> float:
     return time.perf_counter() - started
 
 
-def measure(kind: str, config: gpt.GPTConfig, saves: int, root: str) -> dict:
+def measure(kind: str, config: gpt.GPTConfig, saves: int, root: str, memcpy: Memcpy) -> dict:
     model, optimizer = build(kind, config)
     train_step(model, optimizer, config, 0)  # the optimizer's state exists from here
     saver = Saver(kind, model, optimizer)
-    stalls, steps, totals = [], [], []
+    num_bytes = state_bytes(optimizer)
+    stalls, floors, steps, totals = [], [], [], []
     for index in range(saves):
         saver.finish()  # saves far enough apart that the last one is done (not timed)
+        if index and dist.get_rank() == 0:
+            shutil.rmtree(os.path.join(root, kind, f"save{index - 1}"), ignore_errors=True)
+        dist.barrier()
+        floors.append(num_bytes / memcpy.bandwidth())
         dist.barrier()
         started = time.perf_counter()
         saver.save(os.path.join(root, kind, f"save{index}"))
@@ -149,64 +173,85 @@ def measure(kind: str, config: gpt.GPTConfig, saves: int, root: str) -> dict:
         totals.append(time.perf_counter() - started)
     dist.barrier()
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (stalls, totals))
+    dist.all_gather_object(every, (stalls, floors, totals, num_bytes))
     slowest = [max(rank[0][i] for rank in every) for i in range(saves)]
-    total = statistics.median(max(rank[1][i] for rank in every) for i in range(saves))
+    total = statistics.median(max(rank[2][i] for rank in every) for i in range(saves))
+    del model, optimizer, saver
+    gc.collect()  # the model's staging arena goes with it, before the next saver's model
     return {
         "stalls": slowest,
+        "floors": [max(rank[1][i] for rank in every) for i in range(saves)],
         "step": statistics.median(steps),
         "total": total,
-        "bytes": state_bytes(optimizer),
+        "bytes": max(rank[3] for rank in every),
     }
 
 
 def rank_main(rank: int, world_size: int, init: str, args) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
-    bandwidth = memcpy_bandwidth()
+    memcpy = Memcpy()
     for size in args.sizes.split(","):
         root = tempfile.mkdtemp(dir=args.root) if rank == 0 else ""
         holder = [root]
         dist.broadcast_object_list(holder)
         root = holder[0]
         kinds = args.savers.split(",")
-        rows = {kind: measure(kind, SIZES[size], args.saves, root) for kind in kinds}
+        before = load_average()
+        rows = {kind: measure(kind, SIZES[size], args.saves, root, memcpy) for kind in kinds}
         if rank == 0:
-            report(size, rows, bandwidth, world_size)
+            report(size, rows, world_size, before, load_average())
             shutil.rmtree(root, ignore_errors=True)
         dist.barrier()
     dist.destroy_process_group()
 
 
-def report(size: str, rows: dict, bandwidth: float, world_size: int) -> None:
+def _later(values: list[float]) -> list[float]:
+    """The saves after the first (which allocates), or the first if it is the only one."""
+    return values[1:] or values
+
+
+def report(size: str, rows: dict, world_size: int, before: str, after: str) -> None:
     any_row = next(iter(rows.values()))
-    floor = any_row["bytes"] / bandwidth
+    floor = statistics.median(_later(any_row["floors"]))
     print(
         f"\n{size} GPT, {world_size} ranks, {any_row['bytes'] / 2**20:.0f} MiB of state per "
-        f"rank, memcpy {bandwidth / 2**30:.1f} GiB/s, floor {floor * 1e3:.0f} ms"
+        f"rank, memcpy {any_row['bytes'] / floor / 2**30:.1f} GiB/s (median), floor "
+        f"{floor * 1e3:.0f} ms; load average {before} before, {after} after"
     )
     print(
-        f"{'saver':>6} {'first ms':>9} {'median ms':>10} {'x floor':>8} {'step ms':>8} "
-        f"{'save+step ms':>13}"
+        f"{'saver':>6} {'first ms':>9} {'median ms':>10} {'range ms':>13} {'x floor':>8} "
+        f"{'x range':>11} {'step ms':>8} {'save+step ms':>13}"
     )
     for kind, row in rows.items():
-        later = row["stalls"][1:] or row["stalls"]
-        median = statistics.median(later)
-        kind_floor = row["bytes"] / bandwidth
+        later = _later(row["stalls"])
+        ratios = _ratios(row)
+        spread = f"{min(later) * 1e3:.0f}-{max(later) * 1e3:.0f}"
+        ratio_spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
         print(
-            f"{kind:>6} {row['stalls'][0] * 1e3:9.0f} {median * 1e3:10.0f} "
-            f"{median / kind_floor:8.1f} {row['step'] * 1e3:8.0f} {row['total'] * 1e3:13.0f}"
+            f"{kind:>6} {row['stalls'][0] * 1e3:9.0f} {statistics.median(later) * 1e3:10.0f} "
+            f"{spread:>13} {statistics.median(ratios):8.2f} {ratio_spread:>11} "
+            f"{row['step'] * 1e3:8.0f} {row['total'] * 1e3:13.0f}"
         )
     if "async" in rows and "dcp" in rows:
-        ratio = statistics.median(rows["async"]["stalls"][1:] or rows["async"]["stalls"])
-        ratio /= statistics.median(rows["dcp"]["stalls"][1:] or rows["dcp"]["stalls"])
-        print(f"async / dcp median stall: {ratio:.2f}")
+        ratio = statistics.median(_later(rows["async"]["stalls"]))
+        ratio /= statistics.median(_later(rows["dcp"]["stalls"]))
+        # The savers run one after the other: on a machine whose load changes meanwhile,
+        # the ratio of their stalls to their own floors is the fairer comparison.
+        normalised = statistics.median(_ratios(rows["async"]))
+        normalised /= statistics.median(_ratios(rows["dcp"]))
+        print(f"async / dcp median stall: {ratio:.2f}; of their x floor: {normalised:.2f}")
+
+
+def _ratios(row: dict) -> list[float]:
+    """Each later save's stall over its own floor."""
+    return _later([s / f for s, f in zip(row["stalls"], row["floors"], strict=True)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="30m", help=f"comma list of {sorted(SIZES)}")
-    parser.add_argument("--saves", type=int, default=4)
+    parser.add_argument("--saves", type=int, default=6)
     parser.add_argument("--savers", default=",".join(SAVERS), help="comma list of sync,async,dcp")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--root", default=None, help="folder for the checkpoints (a temp dir)")

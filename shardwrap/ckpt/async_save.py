@@ -2,12 +2,16 @@
 
 [Note: asynchronous saves]
 ``save_checkpoint(..., asynchronous=True)`` does on the caller's (training) thread only
-what must see the state as of the call: the opening agreement (collectives on the world
-group, in order with the training's), a copy of every tensor the rank saves into host
-buffers of its own (:meth:`AsyncSaver.stage`), the rank's run record (generators, data
-position) and snapshots of the JSON that goes into the index. It then returns an
-:class:`AsyncSave` and a background thread writes and hashes the rank's files, gathers
-every rank's report and lets rank 0 commit the index, then learns the outcome.
+what must see the state as of the call, and no collective (but the first save's, which
+makes the background group): the copy of every tensor the rank saves into the host arena
+of its staging plan (:meth:`AsyncSaver.stage`, [Note: staging plans] in staging_plan.py),
+a snapshot of the generators and data position, of the param groups' settings and of
+``extra``; its argument checks go with them. It then returns an :class:`AsyncSave`, and a
+background thread agrees with the other ranks on the save id and on whether every rank
+staged (one all-reduce: a rank that could not raises from every rank's ``result()``),
+encodes the run record and the rank's description of the model, writes and hashes the
+rank's files, gathers every rank's report and lets rank 0 commit the index, then learns
+the outcome.
 
 The background collectives run on a gloo group of their own (``comm.groups.side_group``,
 created by every rank at its first asynchronous save of the model), so they never run
@@ -16,11 +20,10 @@ one save runs at a time, since every save of a model (either kind) first waits f
 one in flight. A failure anywhere raises from every rank's ``result()``, naming the rank
 (and the file, for a write that failed).
 
-The staging buffers belong to the model's saver and are reused while the saved pieces
-keep their keys, shapes and dtypes: after the first save a save allocates nothing (they
-are pinned when the state lives on an accelerator, so the copies run at full speed).
-Files are written under temporary names and the index last, so a process killed in the
-background write leaves the previous checkpoint as it was.
+The arena belongs to the model's saver and is reused while the layout holds: after the
+first save a save allocates nothing (it is pinned when the state lives on an accelerator,
+so the copies run at full speed). Files are written under temporary names and the index
+last, so a process killed in the background write leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -31,15 +34,13 @@ import warnings
 import weakref
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
-from ..base.pages import release_resident
 from ..comm.collectives import Communicator
 from ..comm.groups import side_group
 from ..comm.ledger import CommLedger
 from .format import CheckpointError
-from .safetensors_writer import StreamItem
+from .staging_plan import StagingPlan, build_plan, observe
 
 
 class SaveState(enum.Enum):
@@ -97,33 +98,24 @@ class AsyncSave:
 
 
 class AsyncSaver:
-    """One model's asynchronous saves: staging buffers, background group, save in flight."""
+    """One model's asynchronous saves: staging plan, background group, save in flight."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm  # the background group's (its own ledger: not the training's)
-        self.buffers: dict[str, torch.Tensor] = {}  # by piece key; 1-D, the piece's dtype
+        self.plan: StagingPlan | None = None  # the last layout's ([Note: staging plans])
+        self.num_plans = 0  # how many plans were built (a new one per layout change)
         self.in_flight: AsyncSave | None = None
 
-    def stage(self, items: list[StreamItem]) -> list[StreamItem]:
-        """``items`` copied into this saver's host buffers (reused when they fit)."""
-        kept: dict[str, torch.Tensor] = {}
-        staged: list[StreamItem] = []
-        on_accelerator = False
-        for item in items:
-            source = item.produce().detach()
-            buffer = self.buffers.get(item.key)
-            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-                pinned = source.device.type != "cpu"
-                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
-            buffer.copy_(source, non_blocking=True)
-            on_accelerator |= source.device.type != "cpu"
-            release_resident(source)  # DiskOffload's mapped shard: read once, dropped
-            kept[item.key] = buffer
-            staged.append(StreamItem(item.key, item.dtype, item.shape, lambda b=buffer: b))
-        if on_accelerator:
-            torch.accelerator.synchronize()  # the copies must land before training goes on
-        self.buffers = kept
-        return staged
+    def stage(self, model: nn.Module, optimizer) -> StagingPlan:
+        """Copy ``model``'s and ``optimizer``'s state into the plan's host arena, as of now
+        (a new plan first if the layout changed); the plan, whose items read the copies."""
+        key, roots = observe(model, optimizer)
+        plan = self.plan
+        if plan is None or not plan.fits(key):
+            plan = build_plan(model, optimizer, key, roots, plan)
+            self.plan, self.num_plans = plan, self.num_plans + 1
+        plan.copy(roots)
+        return plan
 
     def start(self, path: str, job: Callable[[Communicator], None]) -> AsyncSave:
         """Run ``job(background communicator)`` on a thread; return its handle."""
@@ -174,5 +166,5 @@ def wait_for_previous(model: nn.Module) -> None:
 
 
 def existing_saver(model: nn.Module) -> AsyncSaver | None:
-    """``model``'s saver if it has made an asynchronous save (its buffers, its group)."""
+    """``model``'s saver if it has made an asynchronous save (its plan, its group)."""
     return _SAVERS.get(model)

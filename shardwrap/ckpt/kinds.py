@@ -27,7 +27,7 @@ from .piece_records import (
     Saved,
     StateKind,
 )
-from .run_state import RunLoad, save_run
+from .run_state import RunLoad, save_run, take_run
 from .safetensors_writer import StreamItem
 from .slots import ParamSlot, shaped_like
 
@@ -197,23 +197,56 @@ def saved_groups(ctx: LoadContext) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------- table
 @dataclass(frozen=True, slots=True)
 class KindIO:
-    """A state kind's save function and the class of its part of a load."""
+    """A state kind's save function and the class of its part of a load.
+
+    ``take``: for a kind an asynchronous save does not stage through its plan (not in
+    ``TENSOR_KINDS``), what the save takes on the caller's thread: called with the
+    context (no save id yet), it takes what must be as of the call and returns the
+    function that makes the kind's contribution once the save id is known (on the
+    background thread).
+    """
 
     save: Callable[[SaveContext], Saved]
     load: type[KindLoad]
+    take: Callable[[SaveContext], Callable[[str], Saved]] | None = None
 
 
 KINDS: dict[StateKind, KindIO] = {
     StateKind.PARAM: KindIO(save_params, ParamLoad),
     StateKind.BUFFER: KindIO(save_buffers, BufferLoad),
     StateKind.OPTIM: KindIO(save_optim, OptimLoad),
-    StateKind.RUN: KindIO(save_run, RunLoad),
+    StateKind.RUN: KindIO(save_run, RunLoad, take_run),
 }
+# The kinds whose pieces are tensors: an asynchronous save plans their host copy once per
+# layout ([Note: staging plans] in staging_plan.py); the others are taken at every save.
+TENSOR_KINDS = (StateKind.PARAM, StateKind.BUFFER, StateKind.OPTIM)
+TAKEN_KINDS = tuple(kind for kind in StateKind if kind not in TENSOR_KINDS)
 
 
-def save_all(ctx: SaveContext) -> Saved:
-    """What every state kind saves on this rank, in the enum's order."""
+def save_all(ctx: SaveContext, kinds: tuple[StateKind, ...] = tuple(StateKind)) -> Saved:
+    """What every state kind (of ``kinds``) saves on this rank, in the enum's order."""
     saved = Saved()
-    for kind in StateKind:
+    for kind in kinds:
         saved.add(KINDS[kind].save(ctx))
     return saved
+
+
+def take_all(ctx: SaveContext, kinds: tuple[StateKind, ...] = TAKEN_KINDS):
+    """Each of ``kinds`` takes its state as of now (``KindIO.take``); the function that
+    adds up their contributions, in the enum's order, once given the save id."""
+    taken = []
+    for kind in kinds:
+        take = KINDS[kind].take
+        if take is None:
+            raise RuntimeError(
+                f"state kind {kind.value!r} has no take function for an asynchronous save"
+            )
+        taken.append(take(ctx))
+
+    def contributions(save_id: str) -> Saved:
+        saved = Saved()
+        for finish in taken:
+            saved.add(finish(save_id))
+        return saved
+
+    return contributions

@@ -69,6 +69,12 @@ def check_json(argument: str, value: Any) -> None:
         raise TypeError(f"{argument}: must be JSON-serialisable ({exc})") from exc
 
 
+def json_snapshot(argument: str, value: Any) -> Any:
+    """``value`` (JSON) copied as of now: later changes to it do not reach the copy."""
+    check_json(argument, value)
+    return json.loads(json.dumps(value, allow_nan=True))
+
+
 def guarded(action: Callable[[], T]) -> Outcome[T]:
     """Run ``action``; its result, or the error as text for the other ranks."""
     try:

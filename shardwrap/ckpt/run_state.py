@@ -29,6 +29,7 @@ import json
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,23 +70,52 @@ def _unb64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
 
 
-def capture_rng() -> dict[str, Any]:
-    """This process's generator states, as JSON."""
-    version, internal, gauss = random.getstate()
+@dataclass(frozen=True)
+class RunSnapshot:
+    """A rank's generator states and data position as of one moment, not yet encoded: an
+    asynchronous save takes it on the caller's thread (a few small copies) and encodes it
+    on its background thread, once the save id is known."""
+
+    torch_cpu: torch.Tensor
+    accelerator: tuple[str, torch.Tensor] | None  # (device type, state)
+    python: tuple  # random.getstate() (immutable)
+    numpy: tuple | None  # numpy.random.get_state(legacy=True), when NumPy is imported
+    data_text: str  # the sampler's state_dict() as JSON text ("null" without a sampler)
+
+
+def snapshot_run(sampler: Any) -> RunSnapshot:
+    """This process's generators and ``sampler``'s position, as of now."""
+    data = sampler.state_dict() if sampler is not None else None
+    try:
+        data_text = json.dumps(data)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"sampler: state_dict() must be JSON-serialisable ({exc})") from exc
+    accelerator = None
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator().type
+        index = torch.accelerator.current_device_index()
+        accelerator = (kind, torch.get_device_module(kind).get_rng_state(index))
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state(legacy=True) if numpy is not None else None
+    return RunSnapshot(
+        torch.get_rng_state(), accelerator, random.getstate(), numpy_state, data_text
+    )
+
+
+def rng_json(snapshot: RunSnapshot) -> dict[str, Any]:
+    """The generator states of ``snapshot``, as JSON."""
+    version, internal, gauss = snapshot.python
     state: dict[str, Any] = {
-        "torch_cpu": _b64(torch.get_rng_state()),
+        "torch_cpu": _b64(snapshot.torch_cpu),
         "accelerator": None,
         "python": [version, list(internal), gauss],
         "numpy": None,
     }
-    if torch.accelerator.is_available():
-        kind = torch.accelerator.current_accelerator().type
-        index = torch.accelerator.current_device_index()
-        module = torch.get_device_module(kind)
-        state["accelerator"] = {"type": kind, "state": _b64(module.get_rng_state(index))}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        name, key, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
+    if snapshot.accelerator is not None:
+        kind, accelerator_state = snapshot.accelerator
+        state["accelerator"] = {"type": kind, "state": _b64(accelerator_state)}
+    if snapshot.numpy is not None:
+        name, key, pos, has_gauss, cached = snapshot.numpy
         state["numpy"] = [name, [int(k) for k in key], int(pos), int(has_gauss), float(cached)]
     return state
 
@@ -169,26 +199,40 @@ def write_run_file(root: str, save_id: str, rank: int, world_size: int, sampler:
 
 def save_run(ctx: SaveContext) -> Saved:
     """:attr:`StateKind.RUN`'s save: this rank's run file, and the index's record of them."""
+    return take_run(ctx)(ctx.save_id)
+
+
+def take_run(ctx: SaveContext) -> Callable[[str], Saved]:
+    """:attr:`StateKind.RUN`'s part of an asynchronous save: the generators and the data
+    position as of now; the run file and the index's record once the save id is known."""
     comm = ctx.slots.world_comm
-    run_file = run_file_bytes(ctx.save_id, comm.rank, comm.size, ctx.sampler)
-    return Saved(files=[run_file], meta={META_KEY: index_record(ctx.sampler)})
+    snapshot = snapshot_run(ctx.sampler)
+    meta = {META_KEY: index_record(ctx.sampler)}
+
+    def contribution(save_id: str) -> Saved:
+        run_file = run_record_bytes(snapshot, save_id, comm.rank, comm.size)
+        return Saved(files=[run_file], meta=dict(meta))
+
+    return contribution
 
 
 def run_file_bytes(save_id: str, rank: int, world_size: int, sampler: Any) -> tuple[str, bytes]:
     """This rank's run record as of now (generators, data position): its name and bytes."""
-    data = sampler.state_dict() if sampler is not None else None
-    try:
-        json.dumps(data)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"sampler: state_dict() must be JSON-serialisable ({exc})") from exc
+    return run_record_bytes(snapshot_run(sampler), save_id, rank, world_size)
+
+
+def run_record_bytes(
+    snapshot: RunSnapshot, save_id: str, rank: int, world_size: int
+) -> tuple[str, bytes]:
+    """The run record of ``snapshot`` (see [Note: run state files]): its name and bytes."""
     payload = {
         "format": RUN_FORMAT,
         "version": RUN_VERSION,
         "save_id": save_id,
         "rank": rank,
         "world_size": world_size,
-        "rng": capture_rng(),
-        "data": data,
+        "rng": rng_json(snapshot),
+        "data": json.loads(snapshot.data_text),
     }
     text = json.dumps({"payload": payload, "sha256": _digest(payload)}, separators=(",", ":"))
     return run_file_name(save_id, rank), text.encode("utf-8")

@@ -13,9 +13,7 @@ on one rank raises on all of them instead of leaving the rest waiting in a colle
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,11 +28,12 @@ from . import async_save, fragments, run_state
 from .async_save import AsyncSave
 from .commit import commit_index
 from .format import CheckpointError, FileEntry, read_index, shard_file_name, write_atomic
-from .kinds import save_all
-from .outcome import Outcome, agree_on_id, check_json, guarded, settle
+from .kinds import save_all, take_all
+from .outcome import Outcome, agree_on_id, check_json, guarded, json_snapshot, settle
 from .piece_records import RankReport, SaveContext, Saved, SentFragment
 from .safetensors_writer import write_stream
-from .slots import ModelSlots, model_slots
+from .slots import ModelSlots, model_slots, world_communicator
+from .staging_plan import StagingPlan
 
 
 def save_checkpoint(
@@ -72,6 +71,8 @@ def save_checkpoint(
         if hook is not None and not callable(hook):
             raise TypeError(f"{name}: expected a callable, got {type(hook).__name__}")
     root = os.fspath(path)
+    if asynchronous:
+        return _save_in_background(root, model, optimizer, extra, sampler, on_commit, after_save)
     slots = model_slots(model)
     comm = slots.world_comm
     async_save.wait_for_previous(model)
@@ -84,16 +85,10 @@ def save_checkpoint(
     opening = guarded(open_save)
     save_id, failures = agree_on_id(comm, opening.error is not None)
     settle(comm, "save", root, opening.error, failures=failures)
-    saver = async_save.saver_of(model, comm) if asynchronous else None
-    staged = guarded(lambda: _stage_rank(SaveContext(save_id, slots, optimizer, sampler), saver))
-    if saver is not None:
-        extra = json.loads(json.dumps(extra, allow_nan=True))  # as of now, not of the commit
+    staged = guarded(lambda: _stage_rank(SaveContext(save_id, slots, optimizer, sampler)))
     job = SaveJob(root, save_id, slots, optimizer, extra, on_commit, after_save)
-    finish = functools.partial(_finish_save, job, staged)
-    if saver is None:
-        finish(comm)
-        return None
-    return saver.start(root, finish)
+    _finish_save(job, staged, comm)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +112,67 @@ class SaveJob:
     after_save: Callable[[Communicator], None] | None
 
 
-def _stage_rank(ctx: SaveContext, saver) -> Staged:
-    """What this rank saves, as of now: its pieces (read lazily while writing, or copied to
-    ``saver``'s host buffers), their records, its own files and its fragment."""
+def _stage_rank(ctx: SaveContext) -> Staged:
+    """What this rank saves, as of now: its pieces (read lazily while writing), their
+    records, its own files and its fragment."""
     saved = save_all(ctx)
-    part = fragments.to_send(ctx.slots, fragments.fragment(ctx.slots, ctx.optimizer))
-    if saver is not None:
-        saved.items, part = saver.stage(saved.items), copy.deepcopy(part)
-    return Staged(saved, part)
+    return Staged(saved, fragments.to_send(ctx.slots, fragments.fragment(ctx.slots, ctx.optimizer)))
+
+
+# ------------------------------------------------------------- asynchronous saves
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What an asynchronous save takes on the caller's thread ([Note: asynchronous saves])."""
+
+    plan: StagingPlan  # its items read the staged copies
+    contributions: Callable[[str], Saved]  # the other kinds' (the run state), given the id
+    extra: Any  # JSON, as of the call
+    groups: list[dict[str, Any]] | None  # the param groups' settings, as of the call
+    values: list[Any]  # the optimizer state that is a JSON value (the plan's sites)
+
+
+def _save_in_background(
+    root: str, model: Any, optimizer, extra: Any, sampler: Any, on_commit, after_save
+) -> AsyncSave:
+    """Stage now, on the caller's thread; agree, write and commit on the saver's."""
+    world_comm = world_communicator(model)
+    async_save.wait_for_previous(model)
+    saver = async_save.saver_of(model, world_comm)  # its first call makes the group
+    taken = guarded(lambda: _take(saver, model, optimizer, extra, sampler))
+    finish = functools.partial(_finish_in_background, root, optimizer, taken, on_commit, after_save)
+    return saver.start(root, finish)
+
+
+def _take(saver: async_save.AsyncSaver, model: Any, optimizer, extra: Any, sampler: Any) -> Taken:
+    run_state.check_sampler("sampler", sampler, "state_dict")
+    extra = json_snapshot("extra", extra)
+    plan = saver.stage(model, optimizer)
+    groups, values = plan.values_now(optimizer)
+    contributions = take_all(SaveContext("", plan.slots, optimizer, sampler))
+    return Taken(plan, contributions, extra, groups, values)
+
+
+def _finish_in_background(
+    root: str, optimizer, taken: Outcome[Taken], on_commit, after_save, comm: Communicator
+) -> None:
+    """The saver's thread: one all-reduce agrees on the save id and on whether every rank
+    staged, then as a synchronous save from the write on."""
+    save_id, failures = agree_on_id(comm, taken.error is not None)
+    settle(comm, "save", root, taken.error, failures=failures)
+    assert taken.value is not None  # no rank failed
+    value = taken.value
+    staged = guarded(lambda: _staged_from(value, save_id))
+    job = SaveJob(root, save_id, value.plan.slots, optimizer, value.extra, on_commit, after_save)
+    _finish_save(job, staged, comm)
+
+
+def _staged_from(taken: Taken, save_id: str) -> Staged:
+    """The staged state of ``taken`` as a save of ``save_id`` writes it."""
+    plan = taken.plan
+    saved = Saved(list(plan.items), list(plan.records))
+    saved.add(taken.contributions(save_id))  # the kinds after the tensor kinds, in order
+    fragment = plan.fragment_with(taken.groups, taken.values)
+    return Staged(saved, fragments.to_send(plan.slots, fragment))
 
 
 def _finish_save(job: SaveJob, staged: Outcome[Staged], comm: Communicator) -> None:

@@ -10,9 +10,10 @@ import time
 
 import torch
 
-from shardwrap.ckpt import save as checkpoint_save
 from shardwrap.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from shardwrap.ckpt import async_save, safetensors_writer
+from shardwrap.ckpt import async_save, kinds, safetensors_writer, staging_plan
+from shardwrap.ckpt import save as checkpoint_save
+from shardwrap.ckpt.piece_records import SaveContext
 from tests import models
 from tests.dist import parity
 from tests.dist.ckpt_workers import (
@@ -44,7 +45,21 @@ def _gated_writes(gate: threading.Event):
 
 
 def _pointers(model) -> dict[str, int]:
-    return {k: b.data_ptr() for k, b in async_save.existing_saver(model).buffers.items()}
+    """Where each staged piece lies (the plan's views of its host arena)."""
+    return {i.key: i.produce().data_ptr() for i in async_save.existing_saver(model).plan.items}
+
+
+def _aliasing(stage):
+    """``AsyncSaver.stage`` whose plan hands the writer the live tensors (the save
+    functions' lazy views), not the staged copies: the negative control."""
+
+    def stage_then_alias(self, model, optimizer):
+        plan = stage(self, model, optimizer)
+        ctx = SaveContext("", plan.slots, optimizer, None)
+        plan.items = kinds.save_all(ctx, kinds.TENSOR_KINDS).items
+        return plan
+
+    return stage_then_alias
 
 
 def train_while_saving(
@@ -68,7 +83,7 @@ def train_while_saving(
     checkpoint_save.write_stream = gated
     staging = async_save.AsyncSaver.stage
     if alias:
-        async_save.AsyncSaver.stage = lambda self, items: items
+        async_save.AsyncSaver.stage = _aliasing(staging)
     try:
         handle = save_checkpoint(first, sharded, optim, extra={"step": 2}, asynchronous=True)
         pointers = _pointers(sharded)
@@ -108,6 +123,16 @@ def matches_snapshot(rank: int, world_size: int, strategy: str, path: str, snaps
     except AssertionError:
         return False
     return True
+
+
+def matches_snapshots(
+    rank: int, world_size: int, strategy: str, paths: list[str], snapshots: list
+) -> list[bool]:
+    """:func:`matches_snapshot` for each of ``paths`` in turn, in one spawn."""
+    return [
+        matches_snapshot(rank, world_size, strategy, path, snapshot)
+        for path, snapshot in zip(paths, snapshots, strict=True)
+    ]
 
 
 def _full_disk(temp, head, items, chunk_bytes):
@@ -152,3 +177,46 @@ def async_crash_phase(rank: int, world_size: int, load_from: str, save_to: str, 
         checkpoint_save.write_stream = _die_halfway
     handle = save_checkpoint(save_to, sharded, optim, extra={"step": 99}, asynchronous=True)
     handle.result()
+
+
+def saves_across_layout_changes(rank: int, world_size: int, root: str, stale: bool) -> dict:
+    """Four asynchronous saves of one model into ``root``/a..d, the layout changing before
+    the second and third: ``a`` before any step (no optimizer state), ``b`` after two steps
+    (the state appeared), ``c`` after resuming from ``b`` (``load_checkpoint`` gives the
+    optimizer new state tensors) with half the learning rate, ``d`` with nothing changed.
+
+    ``stale`` (the negative control): the saver keeps its first plan whatever changed.
+    Returns this rank's pieces at each call, the saver's plan count and arena after each.
+    """
+    torch.manual_seed(1234)
+    model = models.TinyGPT()
+    reference = copy.deepcopy(model)
+    sharded = wrap(model, world_size, "FULL_SHARD")
+    optim = parity.make_optimizer(sharded, "adamw")
+    ref_optim = parity.make_optimizer(reference, "adamw")
+    observed: dict[str, list] = {"pieces": [], "plans": [], "arenas": [], "lr": []}
+
+    def save(name: str) -> None:
+        handle = save_checkpoint(os.path.join(root, name), sharded, optim, asynchronous=True)
+        observed["pieces"].append(convert(local_pieces(sharded, optim), lambda t: t.numpy()))
+        observed["lr"].append(optim.param_groups[0]["lr"])
+        handle.result()
+        saver = async_save.existing_saver(sharded)
+        observed["plans"].append(saver.num_plans)
+        observed["arenas"].append(saver.plan.arena.data_ptr())
+
+    fits = staging_plan.StagingPlan.fits
+    if stale:
+        staging_plan.StagingPlan.fits = lambda self, key: True
+    try:
+        save("a")
+        train_steps(sharded, optim, reference, ref_optim, world_size, rank, 0)
+        save("b")
+        load_checkpoint(os.path.join(root, "b"), sharded, optim)
+        for group in optim.param_groups:
+            group["lr"] = group["lr"] / 2
+        save("c")
+        save("d")
+    finally:
+        staging_plan.StagingPlan.fits = fits
+    return observed

@@ -14,8 +14,11 @@ from tests.dist.async_ckpt_workers import (
     async_crash_phase,
     failing_background_write,
     matches_snapshot,
+    matches_snapshots,
+    saves_across_layout_changes,
     train_while_saving,
 )
+from shardwrap.ckpt.format import read_index
 from tests.dist.ckpt_workers import assemble, load_outcomes, phase
 from tests.dist.harness import run_ranks
 
@@ -48,6 +51,35 @@ def test_staging_that_aliases_live_tensors_is_caught(tmp_path):
     first checkpoint hold the state after the steps that followed the call."""
     _, matches = _saved_and_loaded(tmp_path, alias=True)
     assert matches == [False, True]
+
+
+def _layout_changes(tmp_path, stale: bool) -> tuple[list[dict], list[bool]]:
+    observed = run_ranks(saves_across_layout_changes, 2, str(tmp_path), stale)
+    paths = [str(tmp_path / name) for name in "abcd"]
+    snapshots = [assemble([o["pieces"][index] for o in observed]) for index in range(4)]
+    every_rank = run_ranks(matches_snapshots, 2, "SHARD_GRAD_OP", paths, snapshots)
+    return observed, [all(found) for found in zip(*every_rank, strict=True)]
+
+
+def test_staging_plan_is_rebuilt_when_the_layout_changes(tmp_path):
+    """The saver's plan ([Note: staging plans]) is kept while the layout holds and rebuilt
+    when it changes: optimizer state that appears after the first save, new state tensors
+    after a resume; each checkpoint loads as the state at its call, settings included.
+
+    Negative control (``stale``: the first plan kept whatever changed, ``StagingPlan.fits``
+    always true), run once: plans [1, 1, 1, 1] on both ranks and matches [True, False,
+    True, True]: ``b`` holds no optimizer state (the plan of ``a`` had none), so it loads
+    without the two steps' Adam state; resuming from it cleared the state, so ``c`` and
+    ``d`` hold none either and still match."""
+    observed, matches = _layout_changes(tmp_path, stale=False)
+    assert matches == [True, True, True, True]
+    for o in observed:
+        # a; b: state appeared; c: new state tensors; d: unchanged, the plan kept.
+        assert o["plans"] == [1, 2, 3, 3], o["plans"]
+        # The arena grew once (for the optimizer state), then was reused.
+        assert o["arenas"][1] == o["arenas"][2] == o["arenas"][3], o["arenas"]
+    lrs = [read_index(str(tmp_path / name)).param_groups[0]["lr"] for name in "abcd"]
+    assert lrs == observed[0]["lr"] and lrs[2] == lrs[1] / 2, lrs
 
 
 def test_background_write_failure_names_rank_and_file(tmp_path):
