@@ -138,7 +138,9 @@ def build(world_size: int, spmd_backend: str, tied: bool):
 
     parallel_dims_module = importlib.import_module("torchtitan.distributed.parallel_dims")
     parallel_dims_module.device_type = "cpu"  # torchtitan's guess is "cuda" (module doc)
-    parallelism = ParallelismConfig(data_parallel_shard_degree=world_size, spmd_backend=spmd_backend)
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=world_size, spmd_backend=spmd_backend
+    )
     training = TrainingConfig(mixed_precision_param="float32")
     config = _tiny_llama3_config(tied)
     # What Llama3Model.Config.update_from_config does for a model without TP or CP (it
@@ -233,7 +235,9 @@ def _enter(door: str) -> None:
     shardwrap.install()
     if door == "shardwrap_without_composable":
         composable = importlib.import_module("torch.distributed._composable.fsdp")
-        composable.FSDPModule = importlib.import_module("torch.distributed.fsdp._fully_shard").FSDPModule
+        composable.FSDPModule = importlib.import_module(
+            "torch.distributed.fsdp._fully_shard"
+        ).FSDPModule
 
 
 def run(rank: int, world_size: int, door: str, spmd_backend: str, tied: bool) -> dict:
@@ -256,7 +260,20 @@ def run(rank: int, world_size: int, door: str, spmd_backend: str, tied: bool) ->
         _forget_torchtitan()
 
 
-def runs(
-    rank: int, world_size: int, doors: tuple[str, ...], spmd_backend: str, tied: bool
-) -> dict:
+def runs(rank: int, world_size: int, doors: tuple[str, ...], spmd_backend: str, tied: bool) -> dict:
     return {door: run(rank, world_size, door, spmd_backend, tied) for door in doors}
+
+
+def refusal(rank: int, world_size: int, spmd_backend: str) -> str:
+    """What shardwrap's door says to torchtitan's ``parallelize_llama`` on ``spmd_backend``:
+    the exception's type and message (an empty string if it built the model)."""
+    _forget_torchtitan()
+    shardwrap.install()
+    try:
+        build(world_size, spmd_backend, tied=False)
+    except Exception as error:  # noqa: BLE001 - what it raised is the result
+        return f"{type(error).__name__}: {error}"
+    finally:
+        shardwrap.uninstall()
+        _forget_torchtitan()
+    return ""
