@@ -27,6 +27,8 @@ NPROC ?=
 CONSTRAINTS := constraints/torch-$(TORCH).txt
 # DeepSpeed (a test extra) installs without compiled ops and looks for no GPU.
 DS_ENV := DS_BUILD_OPS=0 DS_ACCELERATOR=cpu
+# torchtitan's FSDP2 code is a client the tests run (installed with --no-deps, see $(STAMP)).
+TORCHTITAN := torchtitan==0.3.0
 PIP := PIP_CONSTRAINT=$(CURDIR)/$(CONSTRAINTS) $(DS_ENV) $(PY) -m pip install -q
 
 $(BASE_STAMP): pyproject.toml $(CONSTRAINTS)
@@ -41,6 +43,8 @@ $(STAMP): $(BASE_STAMP)
 	# DeepSpeed's setup imports torch: build it against the torch just installed.
 	$(PIP) --no-build-isolation deepspeed==0.19.8
 	$(PIP) -e '.[test]'
+	# torchtitan without the requirements of its trainer (pyproject's test extra says why).
+	$(PIP) --no-deps $(TORCHTITAN)
 	touch $@
 
 lint: $(STAMP)

@@ -12,7 +12,10 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TEST_EXTRAS = ("pytest", "hypothesis", "transformers", "accelerate", "deepspeed", "matplotlib")
+TEST_EXTRAS = (
+    "pytest", "hypothesis", "transformers", "accelerate", "deepspeed", "matplotlib",
+    "torchtitan", "spmd_types", "tyro", "triton",
+)  # fmt: skip
 
 
 def _modules_after(statement: str) -> set[str]:
@@ -102,6 +105,18 @@ def test_each_tested_torch_has_its_constraints_and_the_extras_pin_the_peers():
             pins = [line for line in handle.read().split() if not line.startswith("#")]
         assert f"torch=={version}" in pins
         assert any(p.startswith("transformers==") for p in pins), version
+        assert any(p.startswith("triton==") for p in pins), version  # torchtitan imports it
+
+
+def test_torchtitan_is_pinned_and_installed_without_its_trainer_requirements():
+    """The Makefile installs one torchtitan release with --no-deps (pyproject's test extra
+    says why); what its model and parallelize code import is in the test extra."""
+    with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as handle:
+        makefile = handle.read()
+    assert "TORCHTITAN := torchtitan==0.3.0\n" in makefile
+    assert "$(PIP) --no-deps $(TORCHTITAN)" in makefile
+    test = _project()["optional-dependencies"]["test"]
+    assert {"spmd_types==0.2.3", "tyro==1.0.17", "triton"} <= set(test)
 
 
 def test_installing_shardwrap_here_changes_no_torch():
