@@ -283,7 +283,7 @@ def resume(ckpt_dir: str, model, optim, sampler=None) -> int:
     return 0
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--dim", type=int, default=128)
@@ -306,7 +306,11 @@ def main() -> None:
     for name in ("save_every", "global_batch", "num_samples", "collective_timeout"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')}: expected >= 0, got {getattr(args, name)}")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     use_cuda = torch.cuda.is_available()
     timeout = {}
     if args.collective_timeout:  # the process group's own timeout: collectives not checked
