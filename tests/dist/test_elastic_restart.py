@@ -3,7 +3,9 @@ from its newest checkpoint: with the uninterrupted run's numbers bit for bit whe
 world size is kept, and with every sample of the epoch seen once when it shrinks.
 
 Two torchrun agents on this machine act as two nodes of one rank each (``--nnodes 1:2``,
-c10d rendezvous on loopback, ``--max-restarts 3``). The example draws its batches from a
+c10d rendezvous on loopback with its store in the test process, ``--max-restarts 3``;
+[Note: the two agents' rendezvous] in ``_elastic`` says how the first round is made to
+wait for both agents whatever the load). The example draws its batches from a
 ``ResumableSampler`` (a global batch of 4 in an order that does not depend on the world
 size; an epoch of 32 samples is the whole 8-step run) whose position travels in the
 checkpoints, and rank 0 records each step's world size, time and sample ids (the global
@@ -15,7 +17,7 @@ rank 1, once:
   load the memory tier's step 5;
 * a whole agent SIGKILLed with its worker, for good: the surviving agent's worker fails
   in its next collective, the agent rendezvouses again, and the round closes with it alone
-  (the dead node's heartbeats expire, then the last call passes); it goes on at world size
+  (the dead node's heartbeats expire after 5 s, then its 10 s last call passes); it goes on at world size
   1 from the memory tier's step 5, whose rank-1 files its node folder holds as peer copies;
 * a worker that hangs as step 6 begins: with ``--collective-timeout 5`` (shardwrap's
   ``set_collective_checks(True, timeout_s=5)``: gloo's monitored barrier before each
@@ -49,7 +51,9 @@ Negative controls (run once each, the test otherwise as here):
 * no ``--collective-timeout`` in the hang case: rank 0 waited in its all-gather (gloo's
   default timeout is 30 min) until the agents' time limit (150 s for that run) ran out.
 Earlier (the first version of this test): optimizer state not loaded: losses differ after
-the resume. Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``_launch``) runs
+the resume. With both agents started together and a 5 s last call for both, one benchmark
+run at load average 26 closed the first round with one agent, and the run went wrong from
+there: hence the ordered start. Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``_launch``) runs
 sometimes spent their rounds on gloo connects refused to the killed round's addresses.
 """
 
@@ -65,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -75,9 +80,11 @@ TINY = ["--steps", str(STEPS), "--dim", "32", "--depth", "2", "--seq", "16"]
 TINY += ["--global-batch", str(GLOBAL_BATCH), "--num-samples", str(NUM_SAMPLES)]
 FAULT_STEP = 6  # mid-step, after the step-5 memory save and the step-4 disk save
 RUN_TIMEOUT_S = 240  # torch imports and two rendezvous on 2 loaded cores
-# Rendezvous settings: a dead node's heartbeats expire after 1 s x 5, and a round closes 5 s
-# after its first node joined unless both have (the two agents start together).
-RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
+# Rendezvous: a dead node's heartbeats expire after 1 s x 5; a round closes when both
+# nodes joined, or ``last_call_timeout`` after the first did. See _elastic for the two.
+KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=5"
+RDZV_KEY = "torch.rendezvous."  # + the run id: the c10d backend's state in the store
+RDZV_EMPTY = b"Y2FuaW1hZGFt"  # the backend's "no state yet" value there
 
 
 @dataclass(frozen=True)
@@ -138,22 +145,45 @@ def _finish(agents: list[subprocess.Popen], log: Path, codes: list[int] | None =
     return text
 
 
-def _elastic(folder: Path, name: str, options: list[str], fault: list[str]) -> str:
-    """Two agents of one rank each; agent 0 hosts the rendezvous store (chosen here, not
-    raced for on one host). An agent killed by the fault returns -SIGKILL."""
+def _elastic(folder: Path, name: str, options: list[str], mode: str) -> str:
+    """Two agents of one rank each, the fault on rank 1 (by ``mode``); an agent the fault
+    kills returns -SIGKILL.
+
+    [Note: the two agents' rendezvous]
+    The rendezvous store lives in this process (it outlives either agent). A round's last
+    call is set by the node that joins it first, with its own ``last_call_timeout``, and
+    ranks go by the nodes' addresses. So agent 1 (``--local-addr localhost``: rank 1, the
+    one the faults hit) starts first with a long last call, and agent 0 (``127.0.0.1``:
+    rank 0) once agent 1 has joined: the first round waits for both however slowly they
+    start, and so does a round that agent 1 joins first; the survivor of agent 1's loss,
+    agent 0, closes its round alone 10 s after joining it.
+    """
     port = _free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     elastic = [
         "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", name, "--monitor-interval", "0.5",
     ]  # fmt: skip
-    agents = [
-        _launch([*elastic, "--rdzv-conf", f"is_host={int(i == 0)},{RDZV_CONF}"], folder, name,
-                options, [str(folder / f"{name}.fault"), "1", str(FAULT_STEP), *fault])
-        for i in range(2)
-    ]  # fmt: skip
-    codes = [0, -9] if "kill-agent" in fault else [0, 0]
-    return _finish(agents, folder / f"{name}.log", codes)
+    fault = [str(folder / f"{name}.fault"), "1", str(FAULT_STEP), mode]
+
+    def agent(addr: str, last_call: int) -> subprocess.Popen:
+        conf = f"is_host=0,last_call_timeout={last_call},{KEEP_ALIVE}"
+        command = [*elastic, "--local-addr", addr, "--rdzv-conf", conf]
+        return _launch(command, folder, name, options, fault)
+
+    second = agent("localhost", 120)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while second.poll() is None and time.monotonic() < deadline:
+        if store.check([RDZV_KEY + name]) and store.get(RDZV_KEY + name) != RDZV_EMPTY:
+            break  # it has joined the first round
+        time.sleep(0.2)
+    agents = [agent("127.0.0.1", 10), second]
+    codes = [0, -9] if mode == "kill-agent" else [0, 0]
+    try:
+        return _finish(agents, folder / f"{name}.log", codes)
+    finally:
+        del store
 
 
 def _losses(path: Path) -> dict[int, str]:
@@ -219,7 +249,7 @@ def test_a_killed_worker_resumes_from_the_memory_tier_with_the_same_numbers(
 ) -> None:
     losses, records = _expected(reference)
     memory = ["--memory-dir", str(tmp_path / "shm"), "--memory-every", "1", "--save-every", "4"]
-    logs = _elastic(tmp_path, "worker", memory, ["kill"])
+    logs = _elastic(tmp_path, "worker", memory, "kill")
     assert "took memory step 5" in logs, logs
     assert _losses(tmp_path / "worker.losses") == losses, logs
     found = _last_records(tmp_path / "worker.samples")
@@ -233,7 +263,7 @@ def test_a_lost_agent_leaves_the_survivor_going_on_alone_with_each_sample_once(
 ) -> None:
     losses, records = _expected(reference)
     memory = ["--memory-dir", str(tmp_path / "shm"), "--memory-every", "1", "--save-every", "4"]
-    logs = _elastic(tmp_path, "agent", memory, ["kill-agent"])
+    logs = _elastic(tmp_path, "agent", memory, "kill-agent")
     assert "resumed at world size 1: took memory step 5" in logs, logs
     found = _last_records(tmp_path / "agent.samples")
     sizes = {s: r.world_size for s, r in found.items()}
@@ -257,7 +287,7 @@ def test_a_lost_agent_leaves_the_survivor_going_on_alone_with_each_sample_once(
 def test_a_hung_rank_is_a_named_error_and_the_run_resumes(tmp_path: Path, reference: Path) -> None:
     losses, records = _expected(reference)
     options = ["--collective-timeout", "5", "--save-every", "2"]
-    logs = _elastic(tmp_path, "hang", options, ["hang"])
+    logs = _elastic(tmp_path, "hang", options, "hang")
     assert "CollectiveTimeoutError: rank 0: collective #" in logs, logs
     assert "not every rank reached it within 5.0 s" in logs, logs
     assert "Ranks 1 failed to pass monitoredBarrier" in logs, logs
