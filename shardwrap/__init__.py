@@ -9,7 +9,7 @@ from .checkpoint import (
     save_tiered,
 )
 from .ckpt.pretrained import load_pretrained
-from .comm.checks import RankDisagreementError
+from .comm.checks import CollectiveTimeoutError, RankDisagreementError
 from .comm.groups import hybrid_process_groups
 from .comm.launch import init_distributed
 from .data.sampler import ResumableSampler
@@ -48,6 +48,7 @@ __all__ = [
     "BackwardPrefetch",
     "CheckpointError",
     "CheckpointTiers",
+    "CollectiveTimeoutError",
     "RankDisagreementError",
     "CommQuantization",
     "FullStateDictConfig",

@@ -39,6 +39,10 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks were about to issue different collectives (the run would have hung)."""
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A rank did not reach a collective within the checker's timeout (it hangs or died)."""
+
+
 class RankDisagreementError(CollectiveMismatchError):
     """Ranks wrapped different models, policies or strategies, or ran different units."""
 
@@ -132,7 +136,7 @@ class CollectiveChecker:
     def check(self, kind: str, purpose: str, unit: str, tensor: torch.Tensor, size: int) -> None:
         mine = (unit, kind, purpose, tensor.numel(), str(tensor.dtype), size)
         if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+            self._wait_for_all(mine)
         signatures: list[object] = [None] * dist.get_world_size()
         dist.all_gather_object(signatures, mine)
         self.num_checked += 1
@@ -144,6 +148,19 @@ class CollectiveChecker:
                     f"(this rank, {dist.get_rank()}: {_describe(mine)}). A rank took another "
                     "branch through the model; every rank must run the same units in order."
                 )
+
+    def _wait_for_all(self, mine: tuple) -> None:
+        """gloo's monitored barrier, its failure raised as a named error: torch's message
+        names the ranks that did not arrive (rank 0 waits for all of them; another rank
+        names rank 0 when rank 0 does not answer), ours the collective."""
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise CollectiveTimeoutError(
+                f"rank {dist.get_rank()}: collective #{self.num_checked + 1}, "
+                f"{_describe(mine)}: not every rank reached it within {self.timeout_s} s "
+                f"(set_collective_checks timeout_s): {exc}"
+            ) from exc
 
 
 def _describe(signature: object) -> str:

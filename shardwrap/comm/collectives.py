@@ -18,12 +18,18 @@ import torch.distributed as dist
 from ..base import at_exit
 from ..base.gc_pause import gc_paused
 from . import pairwise
-from .checks import CollectiveChecker, CollectiveMismatchError, RankDisagreementError
+from .checks import (
+    CollectiveChecker,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    RankDisagreementError,
+)
 from .ledger import CommLedger, CommRecord
 
 __all__ = [
     "CollectiveChecker",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "CommLedger",
     "CommRecord",
     "Communicator",
