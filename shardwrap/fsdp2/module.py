@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..base.validate import check_bool
@@ -180,6 +181,25 @@ class FSDPModule:
         hook then sees the sum, as under FSDP2 ([Note: the all-reduce hook])."""
         set_force_sum(self, check_bool("enable", enable))  # type: ignore[arg-type]
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward gathers this module's unit (default True). False, for a unit
+        whose backward needs its parameters' shapes only (an embedding): no all-gather in
+        backward, its gradients reduced as usual ([Note: units not gathered for backward]
+        in runtime/step.py)."""
+        _unit(self).set_unshard_in_backward(  # type: ignore[arg-type]
+            check_bool("unshard_in_backward", unshard_in_backward)
+        )
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Make the next forward's all-gathers wait for ``event`` (recorded after the
+        optimizer step), then drop it: set a new one each step ([Note: the post-optimizer
+        event] in runtime/step.py)."""
+        if not isinstance(event, (torch.Event, torch.cuda.Event)):
+            raise TypeError(
+                f"event: expected a torch.Event or torch.cuda.Event, got {type(event).__name__}"
+            )
+        runtime_for(self).post_optim_event = event  # type: ignore[arg-type]
+
     _comms = "shardwrap's communicators own the collectives and their buffers"
     set_custom_all_gather = _refused("set_custom_all_gather", _comms)
     set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", _comms)
@@ -192,10 +212,6 @@ class FSDPModule:
     set_reduce_scatter_unused_params = _refused(
         "set_reduce_scatter_unused_params",
         "a parameter without a gradient on every rank gets none (shardwrap's presence vote)",
-    )
-    set_post_optim_event = _refused("set_post_optim_event", "CPU streams only in this release")
-    set_unshard_in_backward = _refused(
-        "set_unshard_in_backward", "every unit is gathered for its backward"
     )
     reset_iter_state = _refused("reset_iter_state", "the runtime resets at each forward")
     # torch 2.15's additions

@@ -308,5 +308,6 @@ def _backward_next(
 
 
 def _reached_by_backward(units: list[Unit]) -> list[Unit]:
-    """The ``units`` that backward will gather: see [Note: frozen units] in hooks.py."""
-    return [u for u in units if u.expects_backward]
+    """The ``units`` that backward will gather: see [Note: frozen units] in hooks.py and
+    [Note: units not gathered for backward] in runtime/step.py."""
+    return [u for u in units if u.expects_backward and u.unshard_in_backward]

@@ -9,6 +9,28 @@ changes its own fields.
 
 The free rule (what a unit gives up, and when) is runtime/free_rule.py.
 
+[Note: the post-optimizer event]
+FSDP2's ``set_post_optim_event(event)`` makes the next root forward's all-gathers wait for
+``event`` (recorded after the optimizer step) instead of for all the current stream's
+work, then drops it, so each step needs a new one. The engine issues its gathers from the
+current stream (NCCL's stream follows it; gloo runs them on its threads once the CPU got
+there), so the optimizer step is always finished before them; :meth:`begin_forward` also
+makes the current stream wait for the event (``event.wait()``, before the forward's first
+gather), which on an accelerator adds that dependency and on the CPU, where ops are
+synchronous and a CPU ``torch.Event`` records nothing, waits for nothing, as FSDP2's CPU
+streams do. Either way the event is dropped there, as FSDP2 drops it.
+
+[Note: units not gathered for backward]
+A unit whose parameters' values its backward does not read (an embedding's backward needs
+the indices and the table's shape only; a linear layer's on inputs needing no gradient, its
+inputs only) may be told not to be gathered for backward (FSDP2's
+``set_unshard_in_backward(False)``): its pre-backward gathers nothing, no other unit
+prefetches it for backward (``schedule._reached_by_backward``), and its full views keep
+the storage they had after forward (none, if it resharded then). Autograd still
+accumulates the local gradients on the full views, which the unit's post-backward reduces
+as any unit's. Told so of a unit whose backward does read them, backward reads released
+storage and fails, as under FSDP2.
+
 [Note: ZeRO-1 reduces in backward]
 ZeRO-1 (``SHARD_OPTIM``) shards only the optimizer state, yet its gradients are reduced
 like ZeRO-2's: each unit's reduce-scatter is issued when the unit's backward ends and
@@ -92,6 +114,9 @@ class StepRuntime:
         # Units run (names, in order) since the last presence vote checked them.
         self.units_run: list[str] = []
         self._finalize_queued = False
+        # An event the next forward's gathers wait for, then dropped ([Note: the post-optimizer
+        # event]); None: they follow the current stream's work, as every collective does.
+        self.post_optim_event: torch.Event | None = None
         # ZeRO-1: a ``no_sync`` backward left full local gradients that no synchronising
         # backward reduced since; the optimizer step reduces them.
         self.deferred_grads_pending = False
@@ -109,7 +134,11 @@ class StepRuntime:
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
-        """Called by the root before each forward: start a fresh execution order."""
+        """Called by the root before each forward: wait for a post-optimizer event, start
+        a fresh execution order."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:  # before any gather of this forward
+            event.wait()
         if not self._finalize_queued:
             self.execution_order.clear()
             for unit in self.units:
@@ -163,7 +192,8 @@ class StepRuntime:
             self.record_forward(unit)
             unit.start_forward()
         if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
-            if unit.handle is not None:
+            # [Note: units not gathered for backward]
+            if unit.handle is not None and unit.unshard_in_backward:
                 self._start_gather(
                     unit, self.schedule.backward_upcoming(unit, self.execution_order)
                 )

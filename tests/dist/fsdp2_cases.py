@@ -123,6 +123,12 @@ class Script:
     # The blocks' calls' reshard_after_forward (an int: reshard to groups of that many
     # ranks after forward); None: FSDP2's default.
     block_reshard: bool | int | None = None
+    # fully_shard(model.embed) as a unit of its own, before the blocks, told
+    # set_unshard_in_backward(False): an embedding's backward needs only its table's shape.
+    embed_unit: bool = False
+    # Called as after_step(model, step) after each optimizer step (a module-level
+    # function, so the script pickles to the ranks): FSDPModule calls between steps.
+    after_step: Callable[[nn.Module, int], None] | None = None
 
 
 def mp_policies(script: Script) -> tuple[dict, dict]:
@@ -150,6 +156,9 @@ def run_script(
     if script.ignored:
         block_kw = {**block_kw, "ignored_params": {model.blocks[0].ln.weight}}
         root_kw = {**root_kw, "ignored_params": {model.gate.weight, model.gate.bias}}
+    if script.embed_unit:
+        shard(model.embed, mesh=mesh, **block_kw)
+        model.embed.set_unshard_in_backward(False)
     for block in model.blocks:
         if script.mlp_as_list:
             shard([block.up, block.down], mesh=mesh, **block_kw)
@@ -176,6 +185,8 @@ def run_script(
         norm = torch.nn.utils.clip_grad_norm_(sharded, CLIP_NORM)
         record.grad_norms.append(_plain(norm))
         optim.step()
+        if script.after_step is not None:
+            script.after_step(model, step)
         record.optimizer_state_is_dtensor &= all(
             isinstance(state[key], DTensor)
             for param, state in optim.state.items()

@@ -145,6 +145,8 @@ REFUSED = [
         "set_modules_to_backward_prefetch",
         "set_requires_all_reduce",
         "set_all_reduce_hook",
+        "set_unshard_in_backward",
+        "set_post_optim_event",
     )
 ]
 

@@ -1,0 +1,131 @@
+"""Rank workers for tests/dist/test_fsdp2_methods.py: FSDPModule's step-level knobs,
+``set_unshard_in_backward`` and ``set_post_optim_event``, on both sides."""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwrap
+from shardwrap.fsdp2.state import state_of
+from tests.dist import fsdp2_cases as fc
+
+
+class Sharding:
+    """shardwrap's ``fully_shard``, remembering the last module it was called on (the
+    root, whose ledger holds every unit's collectives: [Note: adopted ledgers]).
+    ``no_op``: the negative control, the named FSDPModule method made to do nothing."""
+
+    def __init__(self, no_op: str | None = None) -> None:
+        self.no_op = no_op
+        self.root: nn.Module | None = None
+
+    def __call__(self, module: nn.Module, **kwargs) -> nn.Module:
+        shardwrap.fully_shard(module, **kwargs)
+        if self.no_op is not None:
+            setattr(module, self.no_op, lambda *args: None)
+        self.root = module
+        return module
+
+    def param_gathers(self) -> dict[str, int]:
+        """How many parameter all-gathers each unit issued over the run."""
+        ledger = state_of(self.root).root.comm_ledger
+        return dict(
+            Counter(r.unit for r in ledger.records if (r.kind, r.purpose) == ("all_gather", "params"))
+        )
+
+
+NO_BACKWARD_GATHER = fc.Script(embed_unit=True)
+
+
+def unshard_in_backward(rank: int, world_size: int) -> dict:
+    """The embedding a unit of its own, ``set_unshard_in_backward(False)``: torch's run,
+    shardwrap's and the control's (the method a no-op), each one's differences from
+    torch's and its units' parameter gathers."""
+    reference = fc.torch_run(rank, world_size, NO_BACKWARD_GATHER)
+    found = {}
+    for name, no_op in (("ours", None), ("control", "set_unshard_in_backward")):
+        dist.barrier()
+        sharding = Sharding(no_op)
+        record = fc.run_script(sharding, rank, world_size, NO_BACKWARD_GATHER)
+        found[name] = {
+            "differences": fc.differences(reference, record),
+            "gathers": sharding.param_gathers(),
+        }
+    return found
+
+
+class NotedEvent(torch.Event):
+    """A CPU event that notes each wait on it: how many parameter all-gathers the
+    model's ledger held then (-1: torch's model, which has none)."""
+
+    def wait(self, stream=None) -> None:
+        self.waits.append(_gathers_of(self.model))
+        super().wait(stream)
+
+
+def _gathers_of(model: nn.Module) -> int:
+    state = state_of(model)
+    if state is None:
+        return -1
+    records = state.root.comm_ledger.records
+    return sum((r.kind, r.purpose) == ("all_gather", "params") for r in records)
+
+
+# Per run: one entry per optimizer step, [event, gathers when set, weakref to the previous].
+_EVENTS: list[dict] = []
+
+
+def set_event(model: nn.Module, step: int) -> None:
+    """After each optimizer step: a new event, recorded, for the next forward to wait on."""
+    event = NotedEvent("cpu")
+    event.model, event.waits = model, []
+    _EVENTS.append({"gathers_when_set": _gathers_of(model), "ref": weakref.ref(event)})
+    model.set_post_optim_event(event)
+    _EVENTS[-1]["event"] = event  # the test's own reference, dropped by _settle_events
+
+
+def _events_seen() -> list[dict]:
+    """Each event's waits, the gathers when it was set, and whether the model let it go
+    (no reference left once the test drops its own)."""
+    seen = []
+    for entry in _EVENTS:
+        event = entry.pop("event")
+        waits = list(event.waits)
+        event.model = None
+        del event
+        seen.append(
+            {"waits": waits, "set_at": entry["gathers_when_set"], "held": entry["ref"]() is not None}
+        )
+    _EVENTS.clear()
+    return seen
+
+
+WITH_EVENTS = fc.Script(after_step=set_event)
+
+
+def post_optim_event(rank: int, world_size: int) -> dict:
+    """An event set after every optimizer step: torch's run, shardwrap's and the
+    control's (the method a no-op): differences from torch's, and what each event saw."""
+    _EVENTS.clear()
+    reference = fc.torch_run(rank, world_size, WITH_EVENTS)
+    found = {"torch": {"events": _events_seen()}}
+    for name, no_op in (("ours", None), ("control", "set_post_optim_event")):
+        dist.barrier()
+        record = fc.run_script(Sharding(no_op), rank, world_size, WITH_EVENTS)
+        found[name] = {"differences": fc.differences(reference, record), "events": _events_seen()}
+    return found
+
+
+def refused_event(rank: int, world_size: int) -> str:
+    """What an event that is not a torch.Event gets."""
+    model = fc.sharded_tiny_model(world_size)
+    try:
+        model.set_post_optim_event("after the step")
+    except TypeError as error:
+        return str(error)
+    return "accepted"

@@ -1,0 +1,77 @@
+"""FSDPModule's step-level knobs on the FSDP2 door, each against torch's FSDP2 running the
+same script (tests/dist/fsdp2_cases.py) at 2 gloo ranks, bit for bit in fp32.
+
+``set_unshard_in_backward(False)`` on the embedding (a unit of its own: its backward needs
+only the table's shape): torch's FSDP2 skips its all-gather in backward, and so must
+shardwrap (the ledger: one gather per step, at forward), with every number equal.
+Negative control (in the suite): the method a no-op. The numbers stay equal (a gather
+changes no value) and the ledger shows the embedding gathered twice per step.
+
+``set_post_optim_event(event)`` after every optimizer step: the next forward waits for
+the event before its first all-gather and drops it, so each event is waited for once and
+then let go. torch's FSDP2 on CPU makes its CPU streams wait on it (a no-op: the event's
+own ``wait`` is never called) and drops it at the next root forward; the last step's
+event, with no forward after it, is held by both. Negative control (in the suite): the
+method a no-op: the events are never waited for (and never held).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tests.dist import fsdp2_methods_cases as mc
+from tests.dist.fsdp2_cases import NUM_STEPS
+from tests.dist.harness import run_ranks
+
+
+@functools.cache
+def _unshard_runs() -> list[dict]:
+    return run_ranks(mc.unshard_in_backward, 2)
+
+
+def test_a_unit_not_unsharded_in_backward_equals_torch_fsdp2_without_its_backward_gather():
+    for rank, found in enumerate(_unshard_runs()):
+        ours = found["ours"]
+        assert ours["differences"] == [], f"rank {rank}: {ours['differences'][:8]}"
+        assert ours["gathers"]["embed"] == NUM_STEPS, ours["gathers"]
+
+
+def test_negative_control_the_flag_ignored_gathers_the_embedding_in_backward_too():
+    for found in _unshard_runs():
+        control, ours = found["control"], found["ours"]
+        assert control["differences"] == [], control["differences"][:8]
+        assert control["gathers"]["embed"] == 2 * NUM_STEPS, control["gathers"]
+        others = {u: n for u, n in control["gathers"].items() if u != "embed"}
+        assert others == {u: n for u, n in ours["gathers"].items() if u != "embed"}
+
+
+@functools.cache
+def _event_runs() -> list[dict]:
+    return run_ranks(mc.post_optim_event, 2)
+
+
+def test_the_post_optimizer_event_is_waited_for_before_the_next_gather_then_dropped():
+    for rank, found in enumerate(_event_runs()):
+        ours = found["ours"]
+        assert ours["differences"] == [], f"rank {rank}: {ours['differences'][:8]}"
+        *forwarded, last = ours["events"]
+        assert len(forwarded) == NUM_STEPS - 1, ours
+        for event in forwarded:  # once, with no gather between the step and the wait
+            assert event["waits"] == [event["set_at"]] and not event["held"], ours
+        assert last["waits"] == [] and last["held"], ours
+        # torch's FSDP2 drops each one at the next root forward too, never calling it
+        held = [event["held"] for event in found["torch"]["events"]]
+        assert held == [False] * (NUM_STEPS - 1) + [True], found["torch"]
+        assert all(event["waits"] == [] for event in found["torch"]["events"])
+
+
+def test_negative_control_the_event_ignored_is_never_waited_for():
+    for found in _event_runs():
+        control = found["control"]
+        assert control["differences"] == [], control["differences"][:8]
+        assert all(e["waits"] == [] and not e["held"] for e in control["events"]), control
+
+
+def test_an_event_of_another_type_is_refused_by_name():
+    for message in run_ranks(mc.refused_event, 2):
+        assert message.startswith("event: expected a torch.Event"), message
