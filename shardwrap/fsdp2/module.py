@@ -200,6 +200,16 @@ class FSDPModule:
             )
         runtime_for(self).post_optim_event = event  # type: ignore[arg-type]
 
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward, on the root on every rank:
+        wait for the collectives in flight, drop the step's reductions and gathered
+        parameters, and start the next step afresh ([Note: a step abandoned by an
+        exception] in runtime/step.py). Call ``optimizer.zero_grad()`` after it."""
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is not None and state.root is None:  # FSDP2's own error
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        runtime_for(self).reset_iter_state()  # type: ignore[arg-type]
+
     _comms = "shardwrap's communicators own the collectives and their buffers"
     set_custom_all_gather = _refused("set_custom_all_gather", _comms)
     set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", _comms)
@@ -213,7 +223,6 @@ class FSDPModule:
         "set_reduce_scatter_unused_params",
         "a parameter without a gradient on every rank gets none (shardwrap's presence vote)",
     )
-    reset_iter_state = _refused("reset_iter_state", "the runtime resets at each forward")
     # torch 2.15's additions
     _finalize = "the end of backward runs from torch's autograd callback, as FSDP2's default"
     set_manual_backward_finalization = _refused("set_manual_backward_finalization", _finalize)

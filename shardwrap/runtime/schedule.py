@@ -256,6 +256,18 @@ class Schedule:
             bucket.finish()
         self._issued_buckets.clear()
 
+    def discard_reductions(self) -> None:
+        """Wait for every reduction in flight and drop it, and the bucket being filled
+        unissued (a failed step: [Note: a step abandoned by an exception] in
+        runtime/step.py)."""
+        for handle in self._reducing:
+            handle.grads.discard_reductions()
+        self._reducing.clear()
+        for bucket in self._issued_buckets:
+            bucket.discard()
+        self._issued_buckets.clear()
+        self._bucket = ReduceBucket()
+
     def reduce_all(self, handles: list[FlatParamHandle]) -> None:
         """Reduce ``handles`` now (ZeRO-1 at the optimizer step), bucketed as configured."""
         for index, handle in enumerate(handles):

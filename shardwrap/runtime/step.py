@@ -20,6 +20,22 @@ gather), which on an accelerator adds that dependency and on the CPU, where ops 
 synchronous and a CPU ``torch.Event`` records nothing, waits for nothing, as FSDP2's CPU
 streams do. Either way the event is dropped there, as FSDP2 drops it.
 
+[Note: a step abandoned by an exception]
+An exception in a forward leaves units gathered and entered; the next root forward
+abandons them ([Note: the free rule]). One in a backward also drops autograd's queued
+end-of-backward callback, so :meth:`finalize_backward` never runs and the next forward
+would not start a fresh step. :meth:`reset_iter_state` (FSDP2's ``reset_iter_state``, on the
+root) recovers from either, as FSDP2's does: it waits for every collective in flight
+(every rank must call it, as every rank issued them), drops the reductions issued and the
+reduced gradients not yet assigned (the failed step's gradients are lost; kept HSDP sums
+too), frees every unit's gathered parameters and puts every unit and the step's order
+back to the start. What it does not drop, as FSDP2 does not: the local gradients a unit
+accumulated on its full views before the failure without reducing them yet (the root's,
+when backward failed in a block), which the next backward adds to. The gradients a unit
+reduced before the failure are dropped here; FSDP2 assigns those to ``.grad`` as soon as
+they are reduced, so its ``.grad`` may hold them: call ``optimizer.zero_grad()`` after
+the reset on both, as their retried step must start from no gradient.
+
 [Note: units not gathered for backward]
 A unit whose parameters' values its backward does not read (an embedding's backward needs
 the indices and the table's shape only; a linear layer's on inputs needing no gradient, its
@@ -261,6 +277,20 @@ class StepRuntime:
     def reshard_unit(self, unit: Unit) -> None:
         """``FSDPModule.reshard``: release ``unit`` as the free rule says for a user's call."""
         self._release_at(Moment.USER_CALL, unit)
+
+    def reset_iter_state(self) -> None:
+        """Put every unit back to the start of a step after an exception aborted a forward
+        or a backward ([Note: a step abandoned by an exception])."""
+        self.schedule.discard_reductions()
+        for unit in self.units:
+            if unit.handle is not None:
+                unit.handle.grads.discard_reductions()
+                self._release_at(Moment.USER_CALL, unit)  # waits for a gather in flight
+            unit.clear_forward_depth()
+            unit.end_step()
+        self.execution_order.clear()
+        self._step_order = []
+        self._finalize_queued = False
 
     # ------------------------------------------------------------ gathers ahead
     def _prefetch_all(self, plan: list[Prefetch]) -> None:

@@ -30,6 +30,7 @@ from shardwrap.fsdp2.state import state_of
 from tests import tolerances
 
 NUM_STEPS = 4
+FAILED_STEP = 1  # Script.fail_in's step
 LR = 0.02
 CLIP_NORM = 0.5  # under the gradients' norm here, so clipping changes every step
 VOCAB, DIM, HIDDEN, OUT, SEQ = 37, 10, 7, 4, 6
@@ -92,6 +93,7 @@ class Record:
     # loss gradient (tolerances.reordered_loss_atols), the largest reduced gradient element
     grad_l1s: list[float] = field(default_factory=list)
     largest_grads: list[float] = field(default_factory=list)
+    failed_passes: int = 0  # Script.fail_in's passes that raised
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,9 @@ class Script:
     # Called as after_step(model, step) after each optimizer step (a module-level
     # function, so the script pickles to the ranks): FSDPModule calls between steps.
     after_step: Callable[[nn.Module, int], None] | None = None
+    # "forward" / "backward": step FAILED_STEP first runs a pass that raises in block 0's
+    # forward / backward, then recovers as FSDP2 says (reset_iter_state, zero_grad).
+    fail_in: str | None = None
 
 
 def mp_policies(script: Script) -> tuple[dict, dict]:
@@ -174,6 +179,8 @@ def run_script(
     optim = torch.optim.AdamW(model.parameters(), **dict(script.adamw))
     record = Record()
     for step in range(NUM_STEPS):
+        if script.fail_in is not None and step == FAILED_STEP:
+            record.failed_passes += _fail_once(model, optim, script.fail_in, batch(step, rank))
         for micro in range(script.microbatches):
             model.set_requires_gradient_sync(micro == script.microbatches - 1)
             idx, target = batch(10 * step + micro, rank)
@@ -197,6 +204,37 @@ def run_script(
         record.losses.append(float(loss.detach()))
         _read(model, record)
     return record
+
+
+class InjectedFailure(RuntimeError):
+    """What Script.fail_in's pass raises."""
+
+
+def _fail_once(model: nn.Module, optim, where: str, data) -> bool:
+    """A pass on ``data`` whose block 0 raises in its forward (``where="forward"``) or in
+    its backward, after block 1's; then FSDP2's recovery: ``reset_iter_state()`` on the
+    root, and ``zero_grad()`` (the failed step's gradients are lost). Whether it raised."""
+    raised = False
+
+    def raise_(*_: object) -> None:
+        raise InjectedFailure(where)
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if where == "forward":
+            raise_()
+        output.register_hook(raise_)
+
+    handle = model.blocks[0].register_forward_hook(hook)
+    idx, target = data
+    try:
+        F.cross_entropy(model(idx).reshape(-1, OUT), target.reshape(-1)).backward()
+    except InjectedFailure:
+        raised = True
+    finally:
+        handle.remove()
+    model.reset_iter_state()
+    optim.zero_grad()
+    return raised
 
 
 def _read_grads(model: nn.Module, sharded: list, idx, target, record: Record) -> None:

@@ -35,7 +35,9 @@ class Sharding:
         """How many parameter all-gathers each unit issued over the run."""
         ledger = state_of(self.root).root.comm_ledger
         return dict(
-            Counter(r.unit for r in ledger.records if (r.kind, r.purpose) == ("all_gather", "params"))
+            Counter(
+                r.unit for r in ledger.records if (r.kind, r.purpose) == ("all_gather", "params")
+            )
         )
 
 
@@ -99,7 +101,11 @@ def _events_seen() -> list[dict]:
         event.model = None
         del event
         seen.append(
-            {"waits": waits, "set_at": entry["gathers_when_set"], "held": entry["ref"]() is not None}
+            {
+                "waits": waits,
+                "set_at": entry["gathers_when_set"],
+                "held": entry["ref"]() is not None,
+            }
         )
     _EVENTS.clear()
     return seen
@@ -127,5 +133,39 @@ def refused_event(rank: int, world_size: int) -> str:
     try:
         model.set_post_optim_event("after the step")
     except TypeError as error:
+        return str(error)
+    return "accepted"
+
+
+FAILED_FORWARD = fc.Script(fail_in="forward")
+FAILED_BACKWARD = fc.Script(fail_in="backward")
+
+
+def reset_iter_state(rank: int, world_size: int, script: fc.Script) -> dict:
+    """A pass that raises, then ``reset_iter_state()``: torch's run, shardwrap's and the
+    control's (the method a no-op): each one's differences from torch's (or its error)
+    and how many passes raised."""
+    reference = fc.torch_run(rank, world_size, script)
+    found = {"torch": {"failed_passes": reference.failed_passes}}
+    for name, no_op in (("ours", None), ("control", "reset_iter_state")):
+        dist.barrier()
+        try:
+            record = fc.run_script(Sharding(no_op), rank, world_size, script)
+        except (RuntimeError, AttributeError) as error:  # alike on every rank, in step
+            found[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            continue
+        found[name] = {
+            "differences": fc.differences(reference, record),
+            "failed_passes": record.failed_passes,
+        }
+    return found
+
+
+def reset_off_root(rank: int, world_size: int) -> str:
+    """What ``reset_iter_state`` on a block (not the root) gets."""
+    model = fc.sharded_tiny_model(world_size)
+    try:
+        model.blocks[0].reset_iter_state()
+    except RuntimeError as error:
         return str(error)
     return "accepted"

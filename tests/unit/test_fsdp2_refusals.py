@@ -147,6 +147,7 @@ REFUSED = [
         "set_all_reduce_hook",
         "set_unshard_in_backward",
         "set_post_optim_event",
+        "reset_iter_state",
     )
 ]
 
