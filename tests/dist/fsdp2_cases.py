@@ -107,6 +107,8 @@ class Script:
     # torchtitan's way: every FSDPModule's set_gradient_divide_factor(1.0) (and
     # set_force_sum_reduction_for_comms(True)): gradients summed over the ranks, not averaged.
     sum_gradients: bool = False
+    # Every FSDPModule's set_gradient_divide_factor(divide_factor) (None: the mean).
+    divide_factor: float | None = None
     # The blocks' calls' MixedPrecisionPolicy as (param_dtype, reduce_dtype, output_dtype,
     # cast_forward_inputs), and the root call's; None: the default policy.
     mp: tuple | None = None
@@ -171,11 +173,14 @@ def run_script(
     shard(model, mesh=mesh, **root_kw)
     if script.explicit_prefetch:
         _set_explicit_prefetch(model)
-    if script.sum_gradients:
-        for module in model.modules():
-            if isinstance(module, (torch_fsdp.FSDPModule, shardwrap.FSDPModule)):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+    for module in model.modules():
+        if not isinstance(module, (torch_fsdp.FSDPModule, shardwrap.FSDPModule)):
+            continue
+        if script.sum_gradients:
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        if script.divide_factor is not None:
+            module.set_gradient_divide_factor(script.divide_factor)
     optim = torch.optim.AdamW(model.parameters(), **dict(script.adamw))
     record = Record()
     for step in range(NUM_STEPS):
@@ -328,7 +333,18 @@ def managing_ignored_fully_shard(module: nn.Module, *, ignored_params=None, **kw
     return shardwrap.fully_shard(module, **kwargs)
 
 
+def one_division_fully_shard(module: nn.Module, **kwargs) -> nn.Module:
+    """The negative control of float16 reductions: shardwrap's ``fully_shard`` dividing a
+    float16 sum once, after the cast (as the FSDP1 door does), not around the sum."""
+    shardwrap.fully_shard(module, **kwargs)
+    handle = state_of(module[0] if isinstance(module, list) else module).unit.handle
+    if handle is not None:
+        handle.grads.divides_around_reduction = False
+    return module
+
+
 CONTROLS = {
+    "one_division": one_division_fully_shard,
     "undivided": undivided_fully_shard,
     "fp32_gather": fp32_gather_fully_shard,
     "ignored_managed": managing_ignored_fully_shard,
