@@ -118,8 +118,10 @@ def parse_options(
     ignored = _parse_ignored_params(ignored_params)
     if dp_mesh_dims is not None:
         raise ValueError(
-            f"dp_mesh_dims {NOT_YET}; pass the data-parallel mesh itself as mesh= (1-D, "
-            "or 2-D (replicate, shard) for HSDP)"
+            f"dp_mesh_dims {NOT_YET}: it names the data-parallel dimensions of a full SPMD "
+            "mesh whose parameters are already DTensors, and the door shards plain "
+            "parameters only; pass the data-parallel sub-mesh itself as mesh= "
+            '(mesh["dp"], or mesh["dp_replicate", "dp_shard"] for HSDP)'
         )
     return UnitOptions(
         reshard_after_forward=reshard_after_forward,  # type: ignore[arg-type]

@@ -224,7 +224,11 @@ class FSDPModule:
         "a parameter without a gradient on every rank gets none (shardwrap's presence vote)",
     )
     # torch 2.15's additions
-    _finalize = "the end of backward runs from torch's autograd callback, as FSDP2's default"
+    _finalize = (
+        "the end of backward runs from torch's autograd callback, as FSDP2's default; for "
+        "backwards that do not end a step use set_is_last_backward(False) (and "
+        "set_requires_gradient_sync(False) to accumulate unreduced)"
+    )
     set_manual_backward_finalization = _refused("set_manual_backward_finalization", _finalize)
     finalize_backward = _refused("finalize_backward", _finalize)
     set_keep_unsharded_storage = _refused(
