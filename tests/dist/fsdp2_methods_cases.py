@@ -8,7 +8,11 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed import fsdp as torch_fsdp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import shardwrap
 from shardwrap.fsdp2.state import state_of
@@ -169,3 +173,85 @@ def reset_off_root(rank: int, world_size: int) -> str:
     except RuntimeError as error:
         return str(error)
     return "accepted"
+
+
+class _CountedGathers:
+    """Counts torch's FSDP2 all-gathers (``dist.all_gather_single``, which its default
+    all-gather calls) while in use."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._original = dist.all_gather_single
+
+    def __enter__(self) -> _CountedGathers:
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self._original(*args, **kwargs)
+
+        dist.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_gather_single = self._original
+
+
+def no_grad_forwards(rank: int, world_size: int, side: str) -> dict:
+    """A training step, two forwards under ``torch.no_grad()``, another training step, on
+    ``side``'s ``fully_shard`` ("torch", "shardwrap", or "control": shardwrap's units
+    freeing after a forward without grad, as the FSDP1 door's): the parameter gathers of
+    each forward without grad, whether the root stays gathered, and the outputs."""
+    shard = torch_fsdp.fully_shard if side == "torch" else shardwrap.fully_shard
+    torch.manual_seed(0)
+    model = fc.TinyModel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    if side == "control":
+        for module in model.modules():
+            if state_of(module) is not None:
+                state_of(module).unit.no_grad_follows_reshard_setting = False
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    counter = _CountedGathers()
+
+    def gathers() -> int:
+        return counter.count if side == "torch" else _gathers_of(model)
+
+    def train(step: int) -> None:
+        idx, target = fc.batch(step, rank)
+        F.cross_entropy(model(idx).reshape(-1, fc.OUT), target.reshape(-1)).backward()
+        optim.step()
+        optim.zero_grad()
+
+    found: dict = {"gathers": [], "root_gathered": [], "outputs": []}
+    with counter:
+        train(0)
+        for step in (1, 2):
+            before = gathers()
+            with torch.no_grad():
+                found["outputs"].append(model(fc.batch(step, rank)[0]))
+            found["gathers"].append(gathers() - before)
+            found["root_gathered"].append(not isinstance(model.norm.weight, DTensor))
+        train(3)
+    found["params"] = {n: fc._plain(p.detach()) for n, p in model.named_parameters()}
+    return found
+
+
+def no_grad_runs(rank: int, world_size: int) -> dict:
+    """:func:`no_grad_forwards` on each side: its gathers, whether the root stayed
+    gathered, and whether its outputs and final parameters equal torch's bit for bit."""
+    runs = {}
+    for side in ("torch", "shardwrap", "control"):
+        dist.barrier()
+        runs[side] = no_grad_forwards(rank, world_size, side)
+    reference = runs["torch"]
+    found = {}
+    for side, run in runs.items():
+        outputs = zip(reference["outputs"], run["outputs"], strict=True)
+        found[side] = {
+            "gathers": run["gathers"],
+            "root_gathered": run["root_gathered"],
+            "equal": all(torch.equal(a, b) for a, b in outputs)
+            and all(torch.equal(v, run["params"][n]) for n, v in reference["params"].items()),
+        }
+    return found

@@ -106,3 +106,24 @@ def test_reset_iter_state_after_a_failed_pass_equals_torch_fsdp2(script):
 def test_reset_iter_state_off_the_root_is_fsdp2s_error():
     for message in run_ranks(mc.reset_off_root, 2):
         assert message == "reset_iter_state must be called on the root FSDP module", message
+
+
+@functools.cache
+def _no_grad_runs() -> list[dict]:
+    return run_ranks(mc.no_grad_runs, 2)
+
+
+def test_forwards_without_grad_keep_the_root_gathered_as_torch_fsdp2():
+    """After a training step, two forwards under ``torch.no_grad()``: torch's FSDP2
+    releases each unit by its ``reshard_after_forward`` (the root's False), so the first
+    gathers the root and both blocks and the second the blocks only, the root shown
+    gathered after each; shardwrap's door the same on its ledger ([Note: a forward without
+    grad on the FSDP2 door]), outputs and the next step's parameters equal bit for bit.
+    Negative control (in the suite): its units freeing after a forward without grad, as
+    the FSDP1 door's: the second forward gathers the root again (3 gathers, not 2)."""
+    for found in _no_grad_runs():
+        assert found["torch"] == {"gathers": [3, 2], "root_gathered": [True, True], "equal": True}
+        assert found["shardwrap"] == found["torch"], found
+        control = found["control"]
+        assert control["gathers"] == [3, 3] and control["root_gathered"] == [False, False]
+        assert control["equal"], control
