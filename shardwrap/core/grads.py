@@ -17,14 +17,7 @@ of it; the streamed optimizer step reads them back a sub-group at a time. The ca
 the scaling are the ones done in memory, in the same order, so the values are the same
 bit for bit.
 
-[Note: float16 reductions divided around the sum]
-By default a unit sums its gradients in the reduce dtype and divides the sum once, after
-the cast to the master dtype. FSDP2 does that for float32 and bfloat16, whose range a sum
-of a few ranks cannot leave, but divides a float16 sum in two steps, both in float16, to
-keep it in range: each rank's gradient before the reduce-scatter, the reduced (and, under
-HSDP, all-reduced) chunk after it, by the two factors of :func:`split_divisor`. A unit
-told :meth:`UnitGrads.divide_around_reduction` (the FSDP2 door's float16 reductions) does
-the same; the FSDP1 and DeepSpeed doors keep the one division after the cast.
+A float16 sum may be divided around the sum instead: :mod:`.grad_division`.
 
 HSDP's knobs (a skipped replica all-reduce, the all-reduce hook): :mod:`.replica_grads`.
 """
@@ -46,6 +39,7 @@ from ..comm.collectives import Communicator
 from ..layout.flat import FlatLayout
 from ..layout.grad_slots import GradSlots, chunk_split
 from .grad_buffers import ReusableGradBuffer, ScratchPool
+from .grad_division import divide_after_sum, divide_before_sum
 from .grad_transfer import assign_reduced, flatten_local_grads
 from .replica_grads import ReplicaGrads
 from .storage import GradStore, HostStorage
@@ -60,17 +54,6 @@ class _Reduction:
     output: torch.Tensor  # 1D: the reduced shard (or the whole flat gradient, one shard)
     flat_grad: torch.Tensor  # 1D, padded: kept alive until the collective is done
     replicate_done: bool  # the replica all-reduce already ran as the first stage
-
-
-def split_divisor(factor: float) -> tuple[float, float]:
-    """FSDP2's division of a float16 gradient sum by ``factor``, as (before the sum,
-    after it): the first starts at 1 and doubles while it divides ``factor`` and is under
-    ``factor`` over it (about the square root), the second is what is left ([Note:
-    float16 reductions divided around the sum])."""
-    before = 1
-    while factor % before == 0 and factor / before > before:
-        before *= 2
-    return float(before), factor / before
 
 
 def checked_divide_factor(factor: object) -> float:
@@ -139,9 +122,7 @@ class UnitGrads:
         # What the summed gradient is divided by; None: the data-parallel size (the mean).
         self._divide_factor: float | None = None
         self.replicas = ReplicaGrads()  # FSDP2's HSDP knobs (core/replica_grads.py)
-        # Divide before the sum and after it, in the reduce dtype ([Note: float16
-        # reductions divided around the sum]); False: once, after the cast.
-        self.divides_around_reduction = False
+        self.divides_around_reduction = False  # [Note: float16 reductions divided around the sum]
 
     def divide_around_reduction(self) -> None:
         """Divide as FSDP2 divides float16 sums from now on ([Note: float16 reductions
@@ -250,8 +231,7 @@ class UnitGrads:
             flat_grad = self._flatten_local_grads(out)
         else:
             flat_grad = out.copy_(self._flatten_local_grads())
-        if self.divides_around_reduction:
-            _divide_unless_one(flat_grad, split_divisor(self.gradient_divisor)[0])
+        divide_before_sum(flat_grad, self.gradient_divisor, around=self.divides_around_reduction)
         return flat_grad
 
     @property
@@ -276,7 +256,9 @@ class UnitGrads:
         if self.grad_store is not None and self.pending_grad_shard is None:
             self.pending_grad_shard = self._stored(reduced)
             return
-        divisor = self._divide_in_reduce_dtype(reduced)
+        divisor = divide_after_sum(
+            reduced, self.gradient_divisor, around=self.divides_around_reduction
+        )
         reduced = self.replicas.divide(reduced.to(self.dtype), divisor)
         if self.host_staging is not None:  # the optimizer steps on the host
             reduced = self.host_staging.to_host(reduced)
@@ -286,21 +268,14 @@ class UnitGrads:
             self.pending_grad_shard.add_(reduced)
             release_resident(self.pending_grad_shard)
 
-    def _divide_in_reduce_dtype(self, reduced: torch.Tensor) -> float:
-        """Divide ``reduced`` in place by what its dtype must (the rest of a float16
-        division: [Note: float16 reductions divided around the sum]); what is left to
-        divide by after the cast."""
-        if not self.divides_around_reduction:
-            return self.gradient_divisor
-        _divide_unless_one(reduced, split_divisor(self.gradient_divisor)[1])
-        return 1.0
-
     def _stored(self, reduced: torch.Tensor) -> torch.Tensor:
         """``reduced`` cast and scaled into the grad store's buffer, its pages released."""
         store = self.grad_store
         assert store is not None
         kept = store.grad_buffer(self, self.comm_label, reduced.numel(), self.dtype)
-        divisor = self._divide_in_reduce_dtype(reduced)
+        divisor = divide_after_sum(
+            reduced, self.gradient_divisor, around=self.divides_around_reduction
+        )
         self.replicas.divide(kept.copy_(reduced), divisor)
         release_resident(kept)
         return kept
@@ -380,11 +355,6 @@ class UnitGrads:
             for info, p in zip(self.layout.params, self.full_params, strict=True)
             if p.grad is not None
         ]
-
-
-def _divide_unless_one(tensor: torch.Tensor, divisor: float) -> None:
-    if divisor != 1:
-        tensor.div_(divisor)
 
 
 def _viewed(

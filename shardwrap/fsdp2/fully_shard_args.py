@@ -19,7 +19,7 @@ the door's own forward hook (``fully_shard.py``).
 A reduction in float16: FSDP2 divides each rank's gradient by about the square root of
 the divisor before the reduce-scatter and the sum by the rest after it, both in float16
 (overflow risk); the door's units do the same ([Note: float16 reductions divided around
-the sum] in ``core/grads.py``; ``fully_shard._adopt_unit``). In fp32 and bf16 FSDP2
+the sum] in ``core/grad_division.py``; ``fully_shard._adopt_unit``). In fp32 and bf16 FSDP2
 divides once, by the world size, in the reduce dtype (AVG); the engine divides once too,
 but after the cast to the master dtype, which is the same at 2 ranks (a division by 2 is
 exact) and may differ by a bf16 rounding at other world sizes.

@@ -13,6 +13,10 @@ then let go. torch's FSDP2 on CPU makes its CPU streams wait on it (a no-op: the
 own ``wait`` is never called) and drops it at the next root forward; the last step's
 event, with no forward after it, is held by both. Negative control (in the suite): the
 method a no-op: the events are never waited for (and never held).
+
+``reset_iter_state()`` after a pass that failed in forward or backward, and forwards under
+``torch.no_grad()`` (the root kept gathered): each test's own docstring says what it
+compares and what its negative control showed.
 """
 
 from __future__ import annotations

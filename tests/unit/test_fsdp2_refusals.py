@@ -16,7 +16,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 import shardwrap
 from shardwrap.base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
-from shardwrap.core.grads import checked_divide_factor, split_divisor
+from shardwrap.core.grad_division import split_divisor
+from shardwrap.core.grads import checked_divide_factor
 from shardwrap.core.replica_grads import ReplicaGrads
 from shardwrap.fsdp2.fully_shard_args import check_offload_mesh, parse_options
 from shardwrap.fsdp2.module import FSDPModule, _check_local_accumulation, as_fsdp_module
