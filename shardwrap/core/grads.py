@@ -208,17 +208,19 @@ class UnitGrads:
             self.accept_reduced(reduction.output, replicate_done=reduction.replicate_done)
         self._reductions.clear()
 
-    def discard_reductions(self) -> None:
+    def discard_reductions(self, *, drop_grads: bool = False) -> None:
         """Wait for the reductions in flight and drop them, with the reduced gradient not
         yet assigned and what skipped replica all-reduces kept (a failed step's: [Note: a
-        step abandoned by an exception] in runtime/step.py). Local gradients on the full
-        views stay."""
+        step abandoned by an exception] in runtime/step.py); with ``drop_grads`` also the
+        local gradients on the full views and the shard views' ``.grad``."""
         for reduction in self._reductions:
             reduction.work.wait()
         self._reductions.clear()
         self.pending_grad_shard = None
         self.local_grad_present = [False] * len(self.layout.params)
         self.replicas.discard()
+        for param in (*self.full_params, *self.shard_params) if drop_grads else ():
+            param.grad = None
 
     def take_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The local gradients as one flat, padded ``reduce_dtype`` tensor (full views cleared).

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..base.torch_compat import fsdp2_reset_drops_gradients
 from ..base.validate import check_bool
 from ..core.unit import Unit
 from .meta_init import apply_to_shards, hide_shards
@@ -208,7 +209,8 @@ class FSDPModule:
         state = state_of(self)  # type: ignore[arg-type]
         if state is not None and state.root is None:  # FSDP2's own error
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
-        runtime_for(self).reset_iter_state()  # type: ignore[arg-type]
+        drop = fsdp2_reset_drops_gradients()  # as this torch's FSDP2 does
+        runtime_for(self).reset_iter_state(drop_grads=drop)  # type: ignore[arg-type]
 
     _comms = "shardwrap's communicators own the collectives and their buffers"
     set_custom_all_gather = _refused("set_custom_all_gather", _comms)

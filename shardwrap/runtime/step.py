@@ -29,12 +29,13 @@ root) recovers from either, as FSDP2's does: it waits for every collective in fl
 (every rank must call it, as every rank issued them), drops the reductions issued and the
 reduced gradients not yet assigned (the failed step's gradients are lost; kept HSDP sums
 too), frees every unit's gathered parameters and puts every unit and the step's order
-back to the start. What it does not drop, as FSDP2 does not: the local gradients a unit
-accumulated on its full views before the failure without reducing them yet (the root's,
-when backward failed in a block), which the next backward adds to. The gradients a unit
-reduced before the failure are dropped here; FSDP2 assigns those to ``.grad`` as soon as
-they are reduced, so its ``.grad`` may hold them: call ``optimizer.zero_grad()`` after
-the reset on both, as their retried step must start from no gradient.
+back to the start. The gradients it keeps depend on the torch release, as FSDP2's do:
+from 2.15 (``drop_grads``) none, the shard views' ``.grad`` and the local gradients on the
+full views dropped too; before 2.15 the local gradients a unit accumulated before the
+failure without reducing them yet (the root's, when backward failed in a block) stay, and
+the next backward adds to them, while FSDP2 has assigned to ``.grad`` the gradients of the
+units it reduced before the failure and shardwrap drops those: call
+``optimizer.zero_grad()`` after the reset, as the retried step must start from none.
 
 [Note: units not gathered for backward]
 A unit whose parameters' values its backward does not read (an embedding's backward needs
@@ -278,13 +279,14 @@ class StepRuntime:
         """``FSDPModule.reshard``: release ``unit`` as the free rule says for a user's call."""
         self._release_at(Moment.USER_CALL, unit)
 
-    def reset_iter_state(self) -> None:
+    def reset_iter_state(self, *, drop_grads: bool = False) -> None:
         """Put every unit back to the start of a step after an exception aborted a forward
-        or a backward ([Note: a step abandoned by an exception])."""
+        or a backward ([Note: a step abandoned by an exception]); ``drop_grads``: every
+        gradient too, local and reduced."""
         self.schedule.discard_reductions()
         for unit in self.units:
             if unit.handle is not None:
-                unit.handle.grads.discard_reductions()
+                unit.handle.grads.discard_reductions(drop_grads=drop_grads)
                 self._release_at(Moment.USER_CALL, unit)  # waits for a gather in flight
             unit.clear_forward_depth()
             unit.end_step()

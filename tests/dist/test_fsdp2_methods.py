@@ -89,13 +89,15 @@ def test_an_event_of_another_type_is_refused_by_name():
 def test_reset_iter_state_after_a_failed_pass_equals_torch_fsdp2(script):
     """Step 1 first runs a pass that raises in block 0's forward, or in its backward after
     block 1's, then ``reset_iter_state()`` and ``zero_grad()``; every step after equals
-    torch's FSDP2 bit for bit, the failed backward's unreduced local gradients (the
-    root's) carried into the retried one on both sides ([Note: a step abandoned by an
-    exception]). Negative controls: the method a no-op (in the suite) fails the backward
-    case (the end of backward never runs again, so no parameter gets a gradient); the
-    forward case passes without it (the next forward abandons the failed one). Run once:
-    the reset also dropping those local gradients failed the backward case at step 1
-    (grad norm 0.4747975 != 0.3869809; the root's head and gate parameters)."""
+    torch's FSDP2 bit for bit: before torch 2.15 the failed backward's unreduced local
+    gradients (the root's) are carried into the retried one on both sides, from 2.15 both
+    drop them ([Note: a step abandoned by an exception]). Negative controls: the method a
+    no-op (in the suite) fails the backward case (the end of backward never runs again,
+    so no parameter gets a gradient); the forward case passes without it (the next
+    forward abandons the failed one). Run once, the other release's rule: dropping those
+    local gradients on 2.13 failed the backward case at step 1 (grad norm 0.4747975 !=
+    0.3869809; the root's head and gate parameters), keeping them on 2.15 failed it the
+    other way round (0.3869809 != 0.4747975)."""
     for rank, found in enumerate(run_ranks(mc.reset_iter_state, 2, script)):
         assert found["torch"]["failed_passes"] == 1, found
         ours = found["ours"]
