@@ -29,6 +29,13 @@ def fsdp2_reduces_in_param_dtype_by_default() -> bool:
     return torch.torch_version.TorchVersion(torch.__version__) < (2, 15)
 
 
+def fsdp2_reset_drops_gradients() -> bool:
+    """Whether this torch's FSDP2 ``reset_iter_state`` drops every gradient of the failed
+    step (2.15 on: the sharded ``.grad`` and the unreduced local gradients), rather than
+    keeping the local gradients of the units not yet reduced (before 2.15)."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 15)
+
+
 def preserve_version_counter(tensor: torch.Tensor) -> Any:
     """A context in which writes to ``tensor`` leave its version counter as it was.
 

@@ -17,6 +17,8 @@ of it; the streamed optimizer step reads them back a sub-group at a time. The ca
 the scaling are the ones done in memory, in the same order, so the values are the same
 bit for bit.
 
+A float16 sum may be divided around the sum instead: :mod:`.grad_division`.
+
 HSDP's knobs (a skipped replica all-reduce, the all-reduce hook): :mod:`.replica_grads`.
 """
 
@@ -37,6 +39,7 @@ from ..comm.collectives import Communicator
 from ..layout.flat import FlatLayout
 from ..layout.grad_slots import GradSlots, chunk_split
 from .grad_buffers import ReusableGradBuffer, ScratchPool
+from .grad_division import divide_after_sum, divide_before_sum
 from .grad_transfer import assign_reduced, flatten_local_grads
 from .replica_grads import ReplicaGrads
 from .storage import GradStore, HostStorage
@@ -119,6 +122,12 @@ class UnitGrads:
         # What the summed gradient is divided by; None: the data-parallel size (the mean).
         self._divide_factor: float | None = None
         self.replicas = ReplicaGrads()  # FSDP2's HSDP knobs (core/replica_grads.py)
+        self.divides_around_reduction = False  # [Note: float16 reductions divided around the sum]
+
+    def divide_around_reduction(self) -> None:
+        """Divide as FSDP2 divides float16 sums from now on ([Note: float16 reductions
+        divided around the sum])."""
+        self.divides_around_reduction = True
 
     def set_divide_factor(self, factor: float | None) -> None:
         """Divide the summed gradient by ``factor`` from now on (None: by the number of
@@ -199,16 +208,33 @@ class UnitGrads:
             self.accept_reduced(reduction.output, replicate_done=reduction.replicate_done)
         self._reductions.clear()
 
+    def discard_reductions(self, *, drop_grads: bool = False) -> None:
+        """Wait for the reductions in flight and drop them, with the reduced gradient not
+        yet assigned and what skipped replica all-reduces kept (a failed step's: [Note: a
+        step abandoned by an exception] in runtime/step.py); with ``drop_grads`` also the
+        local gradients on the full views and the shard views' ``.grad``."""
+        for reduction in self._reductions:
+            reduction.work.wait()
+        self._reductions.clear()
+        self.pending_grad_shard = None
+        self.local_grad_present = [False] * len(self.layout.params)
+        self.replicas.discard()
+        for param in (*self.full_params, *self.shard_params) if drop_grads else ():
+            param.grad = None
+
     def take_local_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The local gradients as one flat, padded ``reduce_dtype`` tensor (full views cleared).
 
         ``out`` (1D, :attr:`flat_grad_numel` elements of ``reduce_dtype``): write them there.
         """
         if out is None:
-            return self._flatten_local_grads().to(self.reduce_dtype)
-        if out.dtype == self.compute_dtype:
-            return self._flatten_local_grads(out)
-        return out.copy_(self._flatten_local_grads())
+            flat_grad = self._flatten_local_grads().to(self.reduce_dtype)
+        elif out.dtype == self.compute_dtype:
+            flat_grad = self._flatten_local_grads(out)
+        else:
+            flat_grad = out.copy_(self._flatten_local_grads())
+        divide_before_sum(flat_grad, self.gradient_divisor, around=self.divides_around_reduction)
+        return flat_grad
 
     @property
     def flat_grad_numel(self) -> int:
@@ -232,7 +258,10 @@ class UnitGrads:
         if self.grad_store is not None and self.pending_grad_shard is None:
             self.pending_grad_shard = self._stored(reduced)
             return
-        reduced = self.replicas.divide(reduced.to(self.dtype), self.gradient_divisor)
+        divisor = divide_after_sum(
+            reduced, self.gradient_divisor, around=self.divides_around_reduction
+        )
+        reduced = self.replicas.divide(reduced.to(self.dtype), divisor)
         if self.host_staging is not None:  # the optimizer steps on the host
             reduced = self.host_staging.to_host(reduced)
         if self.pending_grad_shard is None:
@@ -246,7 +275,10 @@ class UnitGrads:
         store = self.grad_store
         assert store is not None
         kept = store.grad_buffer(self, self.comm_label, reduced.numel(), self.dtype)
-        self.replicas.divide(kept.copy_(reduced), self.gradient_divisor)
+        divisor = divide_after_sum(
+            reduced, self.gradient_divisor, around=self.divides_around_reduction
+        )
+        self.replicas.divide(kept.copy_(reduced), divisor)
         release_resident(kept)
         return kept
 

@@ -53,6 +53,11 @@ class ReplicaGrads:
         else:
             self.kept.add_(reduced)
 
+    def discard(self) -> None:
+        """Drop what skipped all-reduces kept (a failed step's: ``reset_iter_state``)."""
+        self.kept = None
+        self._kept_present = None
+
     def add_kept(self, reduced: torch.Tensor) -> None:
         """Before the all-reduce: add what skipped backwards kept to ``reduced``, in place."""
         if self.kept is not None:

@@ -58,6 +58,14 @@ class Unit:
         # prefetch] in runtime/schedule.py).
         self.forward_prefetch_targets: tuple[Unit, ...] | None = None
         self.backward_prefetch_targets: tuple[Unit, ...] | None = None
+        # False: backward never gathers the unit (FSDP2's set_unshard_in_backward(False):
+        # its parameters' values are not needed there, e.g. an embedding's), nor prefetches
+        # it; its gradients are still reduced ([Note: units not gathered for backward]).
+        self.unshard_in_backward = True
+        # True (the FSDP2 door): a forward without grad releases the unit by its
+        # reshard_after_forward, as one with grad does; False: it frees ([Note: a forward
+        # without grad on the FSDP2 door] in runtime/free_rule.py).
+        self.no_grad_follows_reshard_setting = False
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {self.state.name})"
@@ -81,6 +89,14 @@ class Unit:
             self.forward_prefetch_targets = targets
         else:
             self.backward_prefetch_targets = targets
+
+    def follow_reshard_setting_without_grad(self) -> None:
+        """Release after a forward without grad as after one with grad (FSDP2's rule)."""
+        self.no_grad_follows_reshard_setting = True
+
+    def set_unshard_in_backward(self, unshard: bool) -> None:
+        """Whether backward gathers the unit (``set_unshard_in_backward``)."""
+        self.unshard_in_backward = unshard
 
     def enter_forward(self) -> None:
         """A forward of this unit starts (possibly inside another one of its own)."""

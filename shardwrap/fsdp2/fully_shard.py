@@ -103,7 +103,10 @@ def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options
     """Give the call's new unit its DTensor views, its door state on every member, the
     group and output-cast hooks, and make it the root until an ancestor's call adopts it."""
     unit = root.units[0]
+    unit.follow_reshard_setting_without_grad()  # [Note: a forward without grad on the FSDP2 door]
     if unit.handle is not None:
+        if unit.handle.grads.reduce_dtype == torch.float16:  # as FSDP2 divides fp16 sums
+            unit.handle.grads.divide_around_reduction()
         install_dtensor_views(unit.handle, mesh)
         root.runtime.index_shard_views()  # the views the optimizer will hold
         for hook in register_assign_hooks(unit.handle, mesh):

@@ -16,14 +16,13 @@ without a ``param_dtype`` as FSDP2 does. FSDP2 knows no full-precision module cl
 (FSDP1's BatchNorm exception): ``module_classes_to_ignore`` is empty. ``output_dtype`` is
 the door's own forward hook (``fully_shard.py``).
 
-Refused: a reduction in float16. FSDP2 divides fp16 gradients by about sqrt(world size)
-before the reduce-scatter and by the rest after it, in fp16
-(``_get_gradient_divide_factors``: overflow risk); the engine sums in the reduce dtype and
-divides once in the master dtype, which rounds differently where a sum overflows or
-leaves fp16's normal range. In fp32 and bf16 FSDP2 divides once, by the world size, in
-the reduce dtype (AVG); the engine divides once too, but after the cast to the master
-dtype, which is the same at 2 ranks (a division by 2 is exact) and may differ by a bf16
-rounding at other world sizes.
+A reduction in float16: FSDP2 divides each rank's gradient by about the square root of
+the divisor before the reduce-scatter and the sum by the rest after it, both in float16
+(overflow risk); the door's units do the same ([Note: float16 reductions divided around
+the sum] in ``core/grad_division.py``; ``fully_shard._adopt_unit``). In fp32 and bf16 FSDP2
+divides once, by the world size, in the reduce dtype (AVG); the engine divides once too,
+but after the cast to the master dtype, which is the same at 2 ranks (a division by 2 is
+exact) and may differ by a bf16 rounding at other world sizes.
 
 [Note: FSDP2's CPU offload on the engine]
 FSDP2's ``CPUOffloadPolicy`` keeps a call's sharded parameters (so the DTensors'
@@ -119,8 +118,10 @@ def parse_options(
     ignored = _parse_ignored_params(ignored_params)
     if dp_mesh_dims is not None:
         raise ValueError(
-            f"dp_mesh_dims {NOT_YET}; pass the data-parallel mesh itself as mesh= (1-D, "
-            "or 2-D (replicate, shard) for HSDP)"
+            f"dp_mesh_dims {NOT_YET}: it names the data-parallel dimensions of a full SPMD "
+            "mesh whose parameters are already DTensors, and the door shards plain "
+            "parameters only; pass the data-parallel sub-mesh itself as mesh= "
+            '(mesh["dp"], or mesh["dp_replicate", "dp_shard"] for HSDP)'
         )
     return UnitOptions(
         reshard_after_forward=reshard_after_forward,  # type: ignore[arg-type]
@@ -150,12 +151,6 @@ def _parse_mp_policy(
     reduce_dtype = mp_policy.reduce_dtype
     if reduce_dtype is None and not fsdp2_reduces_in_param_dtype_by_default():
         reduce_dtype = master_dtype  # torch >= 2.15: the parameters' own dtype
-    if (reduce_dtype or mp_policy.param_dtype) == torch.float16:
-        raise ValueError(
-            f"mp_policy={mp_policy}: a gradient reduction in torch.float16 {NOT_YET} "
-            "(FSDP2 divides fp16 gradients before and after the reduce-scatter); "
-            "pass reduce_dtype=torch.float32 or torch.bfloat16"
-        )
     try:
         policy = MixedPrecision(
             param_dtype=mp_policy.param_dtype,

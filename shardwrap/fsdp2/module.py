@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..base.torch_compat import fsdp2_reset_drops_gradients
 from ..base.validate import check_bool
 from ..core.unit import Unit
 from .meta_init import apply_to_shards, hide_shards
@@ -180,6 +182,36 @@ class FSDPModule:
         hook then sees the sum, as under FSDP2 ([Note: the all-reduce hook])."""
         set_force_sum(self, check_bool("enable", enable))  # type: ignore[arg-type]
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward gathers this module's unit (default True). False, for a unit
+        whose backward needs its parameters' shapes only (an embedding): no all-gather in
+        backward, its gradients reduced as usual ([Note: units not gathered for backward]
+        in runtime/step.py)."""
+        _unit(self).set_unshard_in_backward(  # type: ignore[arg-type]
+            check_bool("unshard_in_backward", unshard_in_backward)
+        )
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Make the next forward's all-gathers wait for ``event`` (recorded after the
+        optimizer step), then drop it: set a new one each step ([Note: the post-optimizer
+        event] in runtime/step.py)."""
+        if not isinstance(event, (torch.Event, torch.cuda.Event)):
+            raise TypeError(
+                f"event: expected a torch.Event or torch.cuda.Event, got {type(event).__name__}"
+            )
+        runtime_for(self).post_optim_event = event  # type: ignore[arg-type]
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward, on the root on every rank:
+        wait for the collectives in flight, drop the step's reductions and gathered
+        parameters, and start the next step afresh ([Note: a step abandoned by an
+        exception] in runtime/step.py). Call ``optimizer.zero_grad()`` after it."""
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is not None and state.root is None:  # FSDP2's own error
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        drop = fsdp2_reset_drops_gradients()  # as this torch's FSDP2 does
+        runtime_for(self).reset_iter_state(drop_grads=drop)  # type: ignore[arg-type]
+
     _comms = "shardwrap's communicators own the collectives and their buffers"
     set_custom_all_gather = _refused("set_custom_all_gather", _comms)
     set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", _comms)
@@ -193,13 +225,12 @@ class FSDPModule:
         "set_reduce_scatter_unused_params",
         "a parameter without a gradient on every rank gets none (shardwrap's presence vote)",
     )
-    set_post_optim_event = _refused("set_post_optim_event", "CPU streams only in this release")
-    set_unshard_in_backward = _refused(
-        "set_unshard_in_backward", "every unit is gathered for its backward"
-    )
-    reset_iter_state = _refused("reset_iter_state", "the runtime resets at each forward")
     # torch 2.15's additions
-    _finalize = "the end of backward runs from torch's autograd callback, as FSDP2's default"
+    _finalize = (
+        "the end of backward runs from torch's autograd callback, as FSDP2's default; for "
+        "backwards that do not end a step use set_is_last_backward(False) (and "
+        "set_requires_gradient_sync(False) to accumulate unreduced)"
+    )
     set_manual_backward_finalization = _refused("set_manual_backward_finalization", _finalize)
     finalize_backward = _refused("finalize_backward", _finalize)
     set_keep_unsharded_storage = _refused(

@@ -3,15 +3,17 @@
 [Note: the free rule]
 What a unit gives up, and when, is one function (:func:`release_rule`), by moment:
 
-* post-forward (outermost forward only, not a forward re-run in backward): without grad,
-  or when it reshards after forward and the schedule does not keep it ([Note: the last
-  unit of forward stays gathered]), it shows its shard and frees the gathered buffer if
-  its strategy frees after backward (all but ZeRO-1 and NO_SHARD), else keeps it;
+* post-forward (outermost forward only, not a forward re-run in backward): without grad
+  (unless the unit follows its setting without grad too, below), or when it reshards
+  after forward and, with grad, the schedule does not keep it ([Note: the last unit of
+  forward stays gathered]), it shows its shard and frees the gathered buffer if its
+  strategy frees after backward (all but ZeRO-1 and NO_SHARD), else keeps it;
   otherwise a unit whose optimizer step reduces (ZeRO-1) shows its shard over the kept
   buffer, a unit computing on its mapped shard itself (DiskOffload, one shard) drops the
   shard's resident pages, and any other stays gathered into backward;
 * abandoned (a new forward began before backward): a freeing unit shows its shard, and
-  frees the buffer unless more microbatches follow;
+  frees the buffer unless more microbatches follow; one that follows its setting without
+  grad and does not reshard after forward stays gathered;
 * post-backward: it shows its shard, and frees the buffer if its strategy frees and
   ``reshard_after_backward`` is on;
 * a user's call (``FSDPModule.reshard``, outside the step): it shows its shard, and frees
@@ -21,6 +23,17 @@ What a unit gives up, and when, is one function (:func:`release_rule`), by momen
   gathered but the step did not use frees it, unless ``reshard_after_backward`` is off.
 
 The step runtime (runtime/step.py) asks at each moment and does what the answer says.
+
+[Note: a forward without grad on the FSDP2 door]
+An evaluation forward (under ``torch.no_grad()``) frees every unit on the FSDP1 and
+DeepSpeed doors: no backward will follow. FSDP2 releases each unit by its
+``reshard_after_forward`` with or without grad, so its root (False by default) stays
+gathered after an evaluation forward, and the next forward (evaluation or training)
+gathers it no more. The FSDP2 door's units follow that
+(``Unit.no_grad_follows_reshard_setting``): such a unit stays gathered after a forward
+without grad, and when the next forward abandons it (no backward ran), as under FSDP2.
+The next gather still happens whenever the shard changed since (an optimizer step):
+``FlatParamHandle.unshard`` compares versions.
 """
 
 from __future__ import annotations
@@ -73,13 +86,15 @@ def release_rule(
     if moment is Moment.POST_FORWARD:
         if unit.state is TrainingState.BACKWARD or unit.forward_depth > 0:
             return Release.KEEP  # a forward re-run in backward, or a nested one
-        if not training or (unit.reshard_after_forward and not kept):
+        if not training and not unit.no_grad_follows_reshard_setting:
+            return free_or_show
+        if unit.reshard_after_forward and not (kept and training):
             return free_or_show
         if unit.strategy.reduces_at_step:
             return Release.SHOW_SHARD
         return Release.KEEP if handle.separate_full else Release.PAGES
     if moment is Moment.ABANDONED:
-        if not frees:
+        if not frees or (unit.no_grad_follows_reshard_setting and not unit.reshard_after_forward):
             return Release.KEEP
         return Release.FREE if last_backward else Release.SHOW_SHARD
     if moment is Moment.USER_CALL:

@@ -160,6 +160,13 @@ class ReduceBucket:
             codec=first.grads.grad_codec,
         )
 
+    def discard(self) -> None:
+        """Wait for the collective, if issued, and hand nobody anything (a failed step)."""
+        if self._work is not None:
+            self._work.wait()
+        self._input = self._output = self._work = self._slots = None
+        self.grads.clear()
+
     def finish(self) -> None:
         """Wait, then hand each member its part."""
         self._work.wait()

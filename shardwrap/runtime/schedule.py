@@ -256,6 +256,18 @@ class Schedule:
             bucket.finish()
         self._issued_buckets.clear()
 
+    def discard_reductions(self) -> None:
+        """Wait for every reduction in flight and drop it, and the bucket being filled
+        unissued (a failed step: [Note: a step abandoned by an exception] in
+        runtime/step.py)."""
+        for handle in self._reducing:
+            handle.grads.discard_reductions()
+        self._reducing.clear()
+        for bucket in self._issued_buckets:
+            bucket.discard()
+        self._issued_buckets.clear()
+        self._bucket = ReduceBucket()
+
     def reduce_all(self, handles: list[FlatParamHandle]) -> None:
         """Reduce ``handles`` now (ZeRO-1 at the optimizer step), bucketed as configured."""
         for index, handle in enumerate(handles):
@@ -308,5 +320,6 @@ def _backward_next(
 
 
 def _reached_by_backward(units: list[Unit]) -> list[Unit]:
-    """The ``units`` that backward will gather: see [Note: frozen units] in hooks.py."""
-    return [u for u in units if u.expects_backward]
+    """The ``units`` that backward will gather: see [Note: frozen units] in hooks.py and
+    [Note: units not gathered for backward] in runtime/step.py."""
+    return [u for u in units if u.expects_backward and u.unshard_in_backward]

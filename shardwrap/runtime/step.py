@@ -9,6 +9,45 @@ changes its own fields.
 
 The free rule (what a unit gives up, and when) is runtime/free_rule.py.
 
+[Note: the post-optimizer event]
+FSDP2's ``set_post_optim_event(event)`` makes the next root forward's all-gathers wait for
+``event`` (recorded after the optimizer step) instead of for all the current stream's
+work, then drops it, so each step needs a new one. The engine issues its gathers from the
+current stream (NCCL's stream follows it; gloo runs them on its threads once the CPU got
+there), so the optimizer step is always finished before them; :meth:`begin_forward` also
+makes the current stream wait for the event (``event.wait()``, before the forward's first
+gather), which on an accelerator adds that dependency and on the CPU, where ops are
+synchronous and a CPU ``torch.Event`` records nothing, waits for nothing, as FSDP2's CPU
+streams do. Either way the event is dropped there, as FSDP2 drops it.
+
+[Note: a step abandoned by an exception]
+An exception in a forward leaves units gathered and entered; the next root forward
+abandons them ([Note: the free rule]). One in a backward also drops autograd's queued
+end-of-backward callback, so :meth:`finalize_backward` never runs and the next forward
+would not start a fresh step. :meth:`reset_iter_state` (FSDP2's ``reset_iter_state``, on the
+root) recovers from either, as FSDP2's does: it waits for every collective in flight
+(every rank must call it, as every rank issued them), drops the reductions issued and the
+reduced gradients not yet assigned (the failed step's gradients are lost; kept HSDP sums
+too), frees every unit's gathered parameters and puts every unit and the step's order
+back to the start. The gradients it keeps depend on the torch release, as FSDP2's do:
+from 2.15 (``drop_grads``) none, the shard views' ``.grad`` and the local gradients on the
+full views dropped too; before 2.15 the local gradients a unit accumulated before the
+failure without reducing them yet (the root's, when backward failed in a block) stay, and
+the next backward adds to them, while FSDP2 has assigned to ``.grad`` the gradients of the
+units it reduced before the failure and shardwrap drops those: call
+``optimizer.zero_grad()`` after the reset, as the retried step must start from none.
+
+[Note: units not gathered for backward]
+A unit whose parameters' values its backward does not read (an embedding's backward needs
+the indices and the table's shape only; a linear layer's on inputs needing no gradient, its
+inputs only) may be told not to be gathered for backward (FSDP2's
+``set_unshard_in_backward(False)``): its pre-backward gathers nothing, no other unit
+prefetches it for backward (``schedule._reached_by_backward``), and its full views keep
+the storage they had after forward (none, if it resharded then). Autograd still
+accumulates the local gradients on the full views, which the unit's post-backward reduces
+as any unit's. Told so of a unit whose backward does read them, backward reads released
+storage and fails, as under FSDP2.
+
 [Note: ZeRO-1 reduces in backward]
 ZeRO-1 (``SHARD_OPTIM``) shards only the optimizer state, yet its gradients are reduced
 like ZeRO-2's: each unit's reduce-scatter is issued when the unit's backward ends and
@@ -92,6 +131,9 @@ class StepRuntime:
         # Units run (names, in order) since the last presence vote checked them.
         self.units_run: list[str] = []
         self._finalize_queued = False
+        # An event the next forward's gathers wait for, then dropped ([Note: the post-optimizer
+        # event]); None: they follow the current stream's work, as every collective does.
+        self.post_optim_event: torch.Event | None = None
         # ZeRO-1: a ``no_sync`` backward left full local gradients that no synchronising
         # backward reduced since; the optimizer step reduces them.
         self.deferred_grads_pending = False
@@ -109,7 +151,11 @@ class StepRuntime:
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
-        """Called by the root before each forward: start a fresh execution order."""
+        """Called by the root before each forward: wait for a post-optimizer event, start
+        a fresh execution order."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:  # before any gather of this forward
+            event.wait()
         if not self._finalize_queued:
             self.execution_order.clear()
             for unit in self.units:
@@ -163,7 +209,8 @@ class StepRuntime:
             self.record_forward(unit)
             unit.start_forward()
         if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD_DONE):
-            if unit.handle is not None:
+            # [Note: units not gathered for backward]
+            if unit.handle is not None and unit.unshard_in_backward:
                 self._start_gather(
                     unit, self.schedule.backward_upcoming(unit, self.execution_order)
                 )
@@ -231,6 +278,21 @@ class StepRuntime:
     def reshard_unit(self, unit: Unit) -> None:
         """``FSDPModule.reshard``: release ``unit`` as the free rule says for a user's call."""
         self._release_at(Moment.USER_CALL, unit)
+
+    def reset_iter_state(self, *, drop_grads: bool = False) -> None:
+        """Put every unit back to the start of a step after an exception aborted a forward
+        or a backward ([Note: a step abandoned by an exception]); ``drop_grads``: every
+        gradient too, local and reduced."""
+        self.schedule.discard_reductions()
+        for unit in self.units:
+            if unit.handle is not None:
+                unit.handle.grads.discard_reductions(drop_grads=drop_grads)
+                self._release_at(Moment.USER_CALL, unit)  # waits for a gather in flight
+            unit.clear_forward_depth()
+            unit.end_step()
+        self.execution_order.clear()
+        self._step_order = []
+        self._finalize_queued = False
 
     # ------------------------------------------------------------ gathers ahead
     def _prefetch_all(self, plan: list[Prefetch]) -> None:

@@ -30,6 +30,7 @@ from shardwrap.fsdp2.state import state_of
 from tests import tolerances
 
 NUM_STEPS = 4
+FAILED_STEP = 1  # Script.fail_in's step
 LR = 0.02
 CLIP_NORM = 0.5  # under the gradients' norm here, so clipping changes every step
 VOCAB, DIM, HIDDEN, OUT, SEQ = 37, 10, 7, 4, 6
@@ -92,6 +93,7 @@ class Record:
     # loss gradient (tolerances.reordered_loss_atols), the largest reduced gradient element
     grad_l1s: list[float] = field(default_factory=list)
     largest_grads: list[float] = field(default_factory=list)
+    failed_passes: int = 0  # Script.fail_in's passes that raised
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class Script:
     # torchtitan's way: every FSDPModule's set_gradient_divide_factor(1.0) (and
     # set_force_sum_reduction_for_comms(True)): gradients summed over the ranks, not averaged.
     sum_gradients: bool = False
+    # Every FSDPModule's set_gradient_divide_factor(divide_factor) (None: the mean).
+    divide_factor: float | None = None
     # The blocks' calls' MixedPrecisionPolicy as (param_dtype, reduce_dtype, output_dtype,
     # cast_forward_inputs), and the root call's; None: the default policy.
     mp: tuple | None = None
@@ -123,6 +127,15 @@ class Script:
     # The blocks' calls' reshard_after_forward (an int: reshard to groups of that many
     # ranks after forward); None: FSDP2's default.
     block_reshard: bool | int | None = None
+    # fully_shard(model.embed) as a unit of its own, before the blocks, told
+    # set_unshard_in_backward(False): an embedding's backward needs only its table's shape.
+    embed_unit: bool = False
+    # Called as after_step(model, step) after each optimizer step (a module-level
+    # function, so the script pickles to the ranks): FSDPModule calls between steps.
+    after_step: Callable[[nn.Module, int], None] | None = None
+    # "forward" / "backward": step FAILED_STEP first runs a pass that raises in block 0's
+    # forward / backward, then recovers as FSDP2 says (reset_iter_state, zero_grad).
+    fail_in: str | None = None
 
 
 def mp_policies(script: Script) -> tuple[dict, dict]:
@@ -150,6 +163,9 @@ def run_script(
     if script.ignored:
         block_kw = {**block_kw, "ignored_params": {model.blocks[0].ln.weight}}
         root_kw = {**root_kw, "ignored_params": {model.gate.weight, model.gate.bias}}
+    if script.embed_unit:
+        shard(model.embed, mesh=mesh, **block_kw)
+        model.embed.set_unshard_in_backward(False)
     for block in model.blocks:
         if script.mlp_as_list:
             shard([block.up, block.down], mesh=mesh, **block_kw)
@@ -157,14 +173,19 @@ def run_script(
     shard(model, mesh=mesh, **root_kw)
     if script.explicit_prefetch:
         _set_explicit_prefetch(model)
-    if script.sum_gradients:
-        for module in model.modules():
-            if isinstance(module, (torch_fsdp.FSDPModule, shardwrap.FSDPModule)):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+    for module in model.modules():
+        if not isinstance(module, (torch_fsdp.FSDPModule, shardwrap.FSDPModule)):
+            continue
+        if script.sum_gradients:
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        if script.divide_factor is not None:
+            module.set_gradient_divide_factor(script.divide_factor)
     optim = torch.optim.AdamW(model.parameters(), **dict(script.adamw))
     record = Record()
     for step in range(NUM_STEPS):
+        if script.fail_in is not None and step == FAILED_STEP:
+            record.failed_passes += _fail_once(model, optim, script.fail_in, batch(step, rank))
         for micro in range(script.microbatches):
             model.set_requires_gradient_sync(micro == script.microbatches - 1)
             idx, target = batch(10 * step + micro, rank)
@@ -176,6 +197,8 @@ def run_script(
         norm = torch.nn.utils.clip_grad_norm_(sharded, CLIP_NORM)
         record.grad_norms.append(_plain(norm))
         optim.step()
+        if script.after_step is not None:
+            script.after_step(model, step)
         record.optimizer_state_is_dtensor &= all(
             isinstance(state[key], DTensor)
             for param, state in optim.state.items()
@@ -186,6 +209,37 @@ def run_script(
         record.losses.append(float(loss.detach()))
         _read(model, record)
     return record
+
+
+class InjectedFailure(RuntimeError):
+    """What Script.fail_in's pass raises."""
+
+
+def _fail_once(model: nn.Module, optim, where: str, data) -> bool:
+    """A pass on ``data`` whose block 0 raises in its forward (``where="forward"``) or in
+    its backward, after block 1's; then FSDP2's recovery: ``reset_iter_state()`` on the
+    root, and ``zero_grad()`` (the failed step's gradients are lost). Whether it raised."""
+    raised = False
+
+    def raise_(*_: object) -> None:
+        raise InjectedFailure(where)
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if where == "forward":
+            raise_()
+        output.register_hook(raise_)
+
+    handle = model.blocks[0].register_forward_hook(hook)
+    idx, target = data
+    try:
+        F.cross_entropy(model(idx).reshape(-1, OUT), target.reshape(-1)).backward()
+    except InjectedFailure:
+        raised = True
+    finally:
+        handle.remove()
+    model.reset_iter_state()
+    optim.zero_grad()
+    return raised
 
 
 def _read_grads(model: nn.Module, sharded: list, idx, target, record: Record) -> None:
@@ -279,7 +333,18 @@ def managing_ignored_fully_shard(module: nn.Module, *, ignored_params=None, **kw
     return shardwrap.fully_shard(module, **kwargs)
 
 
+def one_division_fully_shard(module: nn.Module, **kwargs) -> nn.Module:
+    """The negative control of float16 reductions: shardwrap's ``fully_shard`` dividing a
+    float16 sum once, after the cast (as the FSDP1 door does), not around the sum."""
+    shardwrap.fully_shard(module, **kwargs)
+    handle = state_of(module[0] if isinstance(module, list) else module).unit.handle
+    if handle is not None:
+        handle.grads.divides_around_reduction = False
+    return module
+
+
 CONTROLS = {
+    "one_division": one_division_fully_shard,
     "undivided": undivided_fully_shard,
     "fp32_gather": fp32_gather_fully_shard,
     "ignored_managed": managing_ignored_fully_shard,

@@ -61,6 +61,14 @@ BF16_BLOCKS = fc.Script(mp=(torch.bfloat16, None, torch.float32, True))
 # ignored_params on every call: the gate and block 0's LayerNorm weight stay plain
 # parameters, unsharded and unreduced (each rank's own gradient, so each rank's values).
 IGNORED = fc.Script(ignored=True)
+# float16 computing and reducing: FSDP2 divides by 2 before the 2-rank sum and by 1 after
+# it; with a divide factor of 3, by 2 before and 1.5 after, in float16. Negative control
+# (in the suite): the sum divided once, after the cast (fc.one_division_fully_shard). Both
+# fail it at step 0: halving a float16 gradient under float16's normal range drops a bit
+# (parameters differ), and the thirds' grad norm too (0.17049144 != 0.17049000).
+_FP16 = (torch.float16, torch.float16, None, True)
+FP16 = fc.Script(mp=_FP16, root_mp=_FP16)
+FP16_THIRDS = fc.Script(mp=_FP16, root_mp=_FP16, divide_factor=3.0)
 REORDER_SAFE = fc.Script(adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)))
 
 REORDERED = fc.REORDERED  # the bounds of tests/tolerances.py for 3 ranks' sums
@@ -68,7 +76,19 @@ REORDERED = fc.REORDERED  # the bounds of tests/tolerances.py for 3 ranks' sums
 
 @pytest.mark.parametrize(
     "script",
-    [EXACT, ACCUMULATING, LISTS, SUMMED, BF16, BF16_FP32_REDUCE, FP32_OUTPUT, BF16_BLOCKS, IGNORED],
+    [
+        EXACT,
+        ACCUMULATING,
+        LISTS,
+        SUMMED,
+        BF16,
+        BF16_FP32_REDUCE,
+        FP32_OUTPUT,
+        BF16_BLOCKS,
+        IGNORED,
+        FP16,
+        FP16_THIRDS,
+    ],
     ids=[
         "adamw",
         "accumulate",
@@ -79,6 +99,8 @@ REORDERED = fc.REORDERED  # the bounds of tests/tolerances.py for 3 ranks' sums
         "fp32_output",
         "bf16_blocks_in_fp32_root",
         "ignored_params",
+        "fp16",
+        "fp16_divided_by_3",
     ],
 )
 def test_two_ranks_equal_torch_fsdp2_bit_for_bit(script):
@@ -97,6 +119,12 @@ def test_negative_control_undivided_gradients_differ(world_size):
     script = EXACT if world_size == 2 else REORDER_SAFE
     for found in run_ranks(fc.compare, world_size, script, tol, "undivided"):
         assert any("grad norm" in line for line in found), found[:8]
+
+
+@pytest.mark.parametrize("script", [FP16, FP16_THIRDS], ids=["fp16", "fp16_divided_by_3"])
+def test_negative_control_fp16_divided_once_after_the_cast_differs(script):
+    for found in run_ranks(fc.compare, 2, script, None, "one_division"):
+        assert any(line.startswith("step 0:") for line in found), found[:8]
 
 
 def test_fsdp_module_surface_and_install():

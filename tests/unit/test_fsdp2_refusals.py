@@ -16,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 import shardwrap
 from shardwrap.base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
+from shardwrap.core.grad_division import split_divisor
 from shardwrap.core.grads import checked_divide_factor
 from shardwrap.core.replica_grads import ReplicaGrads
 from shardwrap.fsdp2.fully_shard_args import check_offload_mesh, parse_options
@@ -102,12 +103,6 @@ def test_unsynced_accumulation_in_another_dtype_than_fsdp2s_is_refused():
     [
         ("reshard_after_forward", "yes", TypeError),
         ("shard_placement_fn", lambda p: None, ValueError),
-        ("mp_policy", MixedPrecisionPolicy(torch.float16, torch.float16), ValueError),
-        (
-            "mp_policy",
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float16),
-            ValueError,
-        ),
         ("mp_policy", MixedPrecisionPolicy(param_dtype=torch.int8), ValueError),
         ("mp_policy", MixedPrecisionPolicy(output_dtype=torch.int32), ValueError),
         ("mp_policy", "bf16", TypeError),
@@ -145,6 +140,9 @@ REFUSED = [
         "set_modules_to_backward_prefetch",
         "set_requires_all_reduce",
         "set_all_reduce_hook",
+        "set_unshard_in_backward",
+        "set_post_optim_event",
+        "reset_iter_state",
     )
 ]
 
@@ -183,14 +181,34 @@ def test_a_gradient_divide_factor_must_be_a_positive_finite_number(factor, error
 
 
 def test_an_fp16_policy_without_reduce_dtype_follows_the_torch_release():
-    """torch < 2.15 reduces it in fp16 (refused here); 2.15 in the parameters' float32."""
+    """torch < 2.15 reduces it in fp16 (reduce_dtype None: the param_dtype's); 2.15 in the
+    parameters' float32."""
     policy = MixedPrecisionPolicy(param_dtype=torch.float16)
+    parsed = parse_options(**{**DEFAULTS, "mp_policy": policy})
     if fsdp2_reduces_in_param_dtype_by_default():
-        with pytest.raises(ValueError, match="float16"):
-            parse_options(**{**DEFAULTS, "mp_policy": policy})
+        assert parsed.mixed_precision.reduce_dtype is None
+        assert parsed.mixed_precision.param_dtype == torch.float16
     else:
-        parsed = parse_options(**{**DEFAULTS, "mp_policy": policy})
         assert parsed.mixed_precision.reduce_dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("factor", "split"),
+    [
+        (1, (1, 1)),
+        (2, (2, 1)),
+        (3, (2, 1.5)),
+        (4, (2, 2)),
+        (6, (4, 1.5)),
+        (8, (4, 2)),
+        (16, (4, 4)),
+    ],
+)
+def test_float16_sums_are_divided_around_the_sum_as_fsdp2_divides_them(factor, split):
+    """[Note: float16 reductions divided around the sum]: the two factors multiply to the
+    divisor, the first a power of two about its square root (FSDP2's rule, worked by hand)."""
+    assert split_divisor(factor) == split
+    assert split[0] * split[1] == factor
 
 
 def test_the_all_reduce_hooks_arguments_are_checked_by_name():
