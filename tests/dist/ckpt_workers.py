@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwrap
-from shardwrap.ckpt import save as checkpoint_save
 from shardwrap.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from shardwrap.ckpt import save as checkpoint_save
 from tests import models
 from tests.dist import parity
 

@@ -7,8 +7,8 @@
 
 import argparse
 
-import torch
 import deepspeed
+import torch
 
 
 class Net(torch.nn.Module):

@@ -19,7 +19,9 @@ def compare(rank: int, world_size: int) -> list[str]:
     """torch's FSDP2 example's prefetch settings on both sides: their differences."""
     reference = fc.torch_run(rank, world_size, EXPLICIT)
     dist.barrier()
-    return fc.differences(reference, fc.run_script(shardwrap.fully_shard, rank, world_size, EXPLICIT))
+    return fc.differences(
+        reference, fc.run_script(shardwrap.fully_shard, rank, world_size, EXPLICIT)
+    )
 
 
 def _issued(module: nn.Module) -> bool:
@@ -40,9 +42,7 @@ def probe(rank: int, world_size: int, explicit: bool) -> dict[str, list[bool]]:
     seen: dict[str, list[bool]] = {"forward": [], "backward": []}
     # Inside each block's pass: after its own pre-forward / pre-backward gather.
     first.ln.register_forward_pre_hook(lambda *_: seen["forward"].append(_issued(second)))
-    second.down.register_full_backward_pre_hook(
-        lambda *_: seen["backward"].append(_issued(first))
-    )
+    second.down.register_full_backward_pre_hook(lambda *_: seen["backward"].append(_issued(first)))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         idx, target = fc.batch(step, rank)

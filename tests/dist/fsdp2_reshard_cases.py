@@ -20,9 +20,7 @@ GROUP = 2  # the blocks reshard to pairs of ranks after forward
 # At 4 ranks the gradient sums' order differs between gloo's reduce-scatter (torch) and
 # shardwrap's, so values are compared within the bounds of tests/tolerances.py, under the
 # AdamW those bounds hold for (as the door's 3-rank test does).
-SCRIPT = fc.Script(
-    adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)), block_reshard=GROUP
-)
+SCRIPT = fc.Script(adamw=(*REORDER_SAFE_ADAMW.items(), ("weight_decay", 0.1)), block_reshard=GROUP)
 REORDERED = fc.REORDERED
 
 

@@ -47,8 +47,16 @@ def _record(module) -> dict:
     return {
         "losses": (stacked / dist.get_world_size()).tolist(),
         "params": params,
-        "types": sorted({type(m).__name__ for m in module.gpt.modules() if "FSDP" in type(m).__name__}),
-        "owner": sorted({type(m).__module__.split(".")[0] for m in module.gpt.modules() if "FSDP" in type(m).__name__}),
+        "types": sorted(
+            {type(m).__name__ for m in module.gpt.modules() if "FSDP" in type(m).__name__}
+        ),
+        "owner": sorted(
+            {
+                type(m).__module__.split(".")[0]
+                for m in module.gpt.modules()
+                if "FSDP" in type(m).__name__
+            }
+        ),
     }
 
 

@@ -11,8 +11,7 @@ from torch import nn
 
 import shardwrap
 from shardwrap.policies import ModuleWrapPolicy
-from tests import models
-from tests import tolerances
+from tests import models, tolerances
 
 
 @dataclass(frozen=True)
@@ -249,7 +248,9 @@ def check_step(
     terms = batch_terms(model, world_size)
     # the loss came before this step: the parameters had drifted for steps - 1 steps
     drift = param_drift(reference, reordered_tol(optimizer, steps - 1, terms)) if steps > 1 else 0.0
-    atol = tolerances.reordered_loss_atol(float(ref_loss.detach()), grad_l1, drift, reordered_relative(terms))
+    atol = tolerances.reordered_loss_atol(
+        float(ref_loss.detach()), grad_l1, drift, reordered_relative(terms)
+    )
     torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=0.0, atol=atol)
     check_shards(sharded, reference, False, reordered_tol(optimizer, steps, terms))
 

@@ -20,9 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import shardwrap
-from shardwrap.policies import ModuleWrapPolicy
 from shardwrap.ckpt.pretrained import load_pretrained
 from shardwrap.features.pipeline_stage import ShardedPipelineStage
+from shardwrap.policies import ModuleWrapPolicy
 from tests.tolerances import REORDER_SAFE_ADAMW
 
 DIM = 8

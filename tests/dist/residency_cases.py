@@ -30,7 +30,8 @@ Runs: FULL_SHARD with a streamed step and with a step in one sub-group, and NO_S
 (streamed), where the module computes on the mapped shard itself.
 
 The bound at a unit boundary in forward and backward is one unit's shard (``UNIT_BYTES``,
-twice that under NO_SHARD; page-rounded): the shard of a gather issued ahead (backward prefetch) is read by the
+twice that under NO_SHARD; page-rounded): the shard of a gather issued ahead (backward prefetch) is
+read by the
 collective until it is waited for and released. Everywhere else it is zero: every place
 that touched a buffer has released it, and a release covers whatever reading its tensor
 can have mapped ([Note: fault-around] in shardwrap/base/pages.py). No slack: on Linux
@@ -67,8 +68,8 @@ from shardwrap.base.pages import release_resident
 from shardwrap.core import grads as grads_module
 from shardwrap.features import grad_clip
 from shardwrap.offload import disk, disk_step
-from shardwrap.runtime import step as step_runtime
 from shardwrap.policies import ModuleWrapPolicy
+from shardwrap.runtime import step as step_runtime
 
 PAGE = mmap.PAGESIZE
 WIDTH, NUM_UNITS = 256, 8

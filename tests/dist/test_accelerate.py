@@ -23,7 +23,6 @@ norm is summed over shards, in another order than over whole gradients).
 from __future__ import annotations
 
 import accelerate  # noqa: F401 (a declared test dependency: a broken install fails, never skips)
-import pytest
 import torch
 
 from tests import tolerances

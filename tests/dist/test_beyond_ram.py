@@ -19,7 +19,6 @@ import pytest
 from tests.dist import ceiling_cases, residency_cases
 from tests.dist.harness import run_ranks
 
-
 # Pages are released (and counted, from /proc) on Linux only.
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="page releases are Linux-only")
 

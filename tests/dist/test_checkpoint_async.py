@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from shardwrap.ckpt.format import read_index
 from tests.dist import engine_cases
 from tests.dist.async_ckpt_workers import (
     GATE_SECONDS,
@@ -18,7 +19,6 @@ from tests.dist.async_ckpt_workers import (
     saves_across_layout_changes,
     train_while_saving,
 )
-from shardwrap.ckpt.format import read_index
 from tests.dist.ckpt_workers import assemble, load_outcomes, phase
 from tests.dist.harness import run_ranks
 

@@ -56,7 +56,8 @@ def test_restart_resumes_from_the_memory_tier_bit_for_bit(tmp_path, world_size, 
     1 and the load fell back to the disk tier's step 4, memory steps skipped as missing
     files; the same in the lost-node test's background case). Without
     that fetch (a negative control, run once) the 3-rank load failed on every rank:
-    ``<id>-rank00000.safetensors', tensor 'body.0.weight/step' ...: the file is missing``. Negative control (run once): loading with ``restore_rng=False``
+    ``<id>-rank00000.safetensors', tensor 'body.0.weight/step' ...: the file is missing``. Negative
+    control (run once): loading with ``restore_rng=False``
     made the first resumed loss differ from the uninterrupted run's by 0.043 on rank 0 and
     0.87 on rank 1 (dropout masks and input noise drawn from other streams), and the final
     shards and optimizer state differ on both ranks."""
@@ -80,7 +81,8 @@ def test_a_lost_node_resumes_from_the_peer_copies(
     """One node's memory folder deleted (node 1, or node 0, where world rank 0 committed
     the index): the next node's folder holds the lost node's copies, the others the rest;
     the lost node's ranks get their files from them (at 3 nodes, from two nodes) and the
-    run resumes from step 6 exactly (also with the memory tier saved in the background). Negative controls: without peer copies, the next test;
+    run resumes from step 6 exactly (also with the memory tier saved in the background). Negative
+    controls: without peer copies, the next test;
     with the restore step off (no rank fetches what its node lacks; run once), the load
     failed on every rank in each case, naming a file of the lost node's folder:
     ``...node-<lost>/step-000000006/<id>-rank<r>.run.json: missing`` for one of its ranks

@@ -3,7 +3,6 @@ piece list except rank 0 (a gather), and everything else is fixed-size all-reduc
 
 from __future__ import annotations
 
-
 import shardwrap
 from shardwrap import load_checkpoint, save_checkpoint
 from tests.dist import parity

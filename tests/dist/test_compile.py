@@ -17,11 +17,10 @@ import pytest
 import torch
 
 import shardwrap
-from tests.dist import compile_cases as cc
-from tests.dist import harness
-from tests.dist.harness import STRATEGIES, run_ranks
 from tests import tolerances
-from tests.dist import parity
+from tests.dist import compile_cases as cc
+from tests.dist import harness, parity
+from tests.dist.harness import STRATEGIES, run_ranks
 from tests.dist.parity import check_shards, max_shard_difference
 
 WORLD_SIZE = 2

@@ -34,8 +34,8 @@ from tests.dist.harness import run_ranks
 from tests.tolerances import (
     ADAMW_EPS,
     GRAD_SCALE,
-    clipped_grad_multiple,
     check_losses,
+    clipped_grad_multiple,
     reordered_loss_atols,
     reordered_param_atol,
     step_rounding_rtol,

@@ -14,13 +14,11 @@ from shardwrap.policies import ModuleWrapPolicy
 from tests import models
 from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
-    Case,
     batch_for,
     check_shards,
     loss_for,
     make_optimizer,
     reordered_tol,
-    wrap_case,
 )
 
 DEPTH, HIDDEN = 8, 64  # eight Linear units of <= 64*64+64 parameters each

@@ -17,7 +17,8 @@ rank 1, once:
   load the memory tier's step 5;
 * a whole agent SIGKILLed with its worker, for good: the surviving agent's worker fails
   in its next collective, the agent rendezvouses again, and the round closes with it alone
-  (the dead node's heartbeats expire after 5 s, then its 10 s last call passes); it goes on at world size
+  (the dead node's heartbeats expire after 5 s, then its 10 s last call passes); it goes on at
+  world size
   1 from the memory tier's step 5, whose rank-1 files its node folder holds as peer copies;
 * a worker that hangs as step 6 begins: with ``--collective-timeout 5`` (shardwrap's
   ``set_collective_checks(True, timeout_s=5)``: gloo's monitored barrier before each
@@ -53,7 +54,8 @@ Negative controls (run once each, the test otherwise as here):
 Earlier (the first version of this test): optimizer state not loaded: losses differ after
 the resume. With both agents started together and a 5 s last call for both, one benchmark
 run at load average 26 closed the first round with one agent, and the run went wrong from
-there: hence the ordered start. Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``_launch``) runs
+there: hence the ordered start. Without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``_launch``)
+runs
 sometimes spent their rounds on gloo connects refused to the killed round's addresses.
 """
 
@@ -224,8 +226,10 @@ def _figures(folder: Path, name: str) -> tuple[float, int]:
     first_step, first = after[0]
     lost = len(before) - (first_step - 1)
     seconds = first.time - fault_at
-    print(f"\n{name}: fault in step {FAULT_STEP}, resumed at step {first_step} (world size "
-          f"{first.world_size}): {seconds:.1f} s from the fault to it, {lost} steps lost")  # fmt: skip
+    print(
+        f"\n{name}: fault in step {FAULT_STEP}, resumed at step {first_step} (world size "
+        f"{first.world_size}): {seconds:.1f} s from the fault to it, {lost} steps lost"
+    )
     return seconds, lost
 
 

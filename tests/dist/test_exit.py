@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import shardwrap
-from shardwrap.base import at_exit
 from shardwrap.assemble.root import root_of
+from shardwrap.base import at_exit
 from tests import models
 from tests.dist.harness import run_ranks
 from tests.dist.parity import build_model, wrap_policy

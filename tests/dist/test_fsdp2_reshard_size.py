@@ -5,7 +5,8 @@ given ``reshard_after_forward=2``, under torch's ``fully_shard`` and shardwrap's
 bit for bit (losses, gradient norms, every parameter's ``full_tensor()``, local shapes,
 placements, ``state_dict()``): shapes and placements exactly, values within the
 reordering bounds of tests/tolerances.py (gloo's 4-term reduce-scatter sums in another
-order than shardwrap's; AdamW with eps = 1e-3, as the door's 3-rank test). An all-gather's values do not depend on its group, so the
+order than shardwrap's; AdamW with eps = 1e-3, as the door's 3-rank test). An all-gather's values
+do not depend on its group, so the
 numbers are equal whether or not the groups are honoured; what an int changes is where
 backward gathers: torch's FSDP2 gathers a block in backward inside its pair of ranks, and
 so must shardwrap's (its ledger: block gathers at group sizes 4, forward, and 2,

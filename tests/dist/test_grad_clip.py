@@ -50,7 +50,9 @@ def _clip_run(rank: int, world_size: int, strategy: str, norm_type: float) -> li
         sharded.comm_ledger.reset()
         norm = sharded.clip_grad_norm_(MAX_NORM, norm_type)
         tol = norm_tol(norm_type, reference, ref_norm)
-        torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"{strategy} {norm_type}: {m}", **tol)
+        torch.testing.assert_close(
+            norm, ref_norm, msg=lambda m: f"{strategy} {norm_type}: {m}", **tol
+        )
         assert ref_norm > MAX_NORM, "the test must actually clip"
         optim.step()
         # Gradients were reduced in backward (ZeRO-1 too): neither clipping nor the
@@ -60,7 +62,9 @@ def _clip_run(rank: int, world_size: int, strategy: str, norm_type: float) -> li
         ref_optim.step()
         optim.zero_grad()
         ref_optim.zero_grad()
-        check_shards(sharded, reference, exact=False, tol=_clipped_tol(reference, norm_type, step + 1))
+        check_shards(
+            sharded, reference, exact=False, tol=_clipped_tol(reference, norm_type, step + 1)
+        )
         norms.append(float(norm))
     return norms
 

@@ -12,6 +12,9 @@ from shardwrap.policies import ModuleWrapPolicy
 from shardwrap.runtime.step import reduce_deferred_grads_for
 from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
+    PARITY_GRAD_SCALE,
+    SGD,
+    WEIGHT_DECAY,
     batch_for,
     build_model,
     check_shards,
@@ -19,7 +22,6 @@ from tests.dist.parity import (
     loss_for,
     make_optimizer,
 )
-from tests.dist.parity import PARITY_GRAD_SCALE, SGD, WEIGHT_DECAY
 from tests.dist.test_mixed_precision import BF16_ROUNDINGS, LowPrecisionReference
 from tests.tolerances import (
     FP16_UNIT_ROUNDOFF,

@@ -19,8 +19,8 @@ import transformers
 import shardwrap
 from shardwrap.checkpoint import save_checkpoint
 from shardwrap.ckpt.consolidate import consolidate
-from shardwrap.policies import transformer_auto_wrap_policy
 from shardwrap.ckpt.pretrained import load_pretrained
+from shardwrap.policies import transformer_auto_wrap_policy
 from tests.dist.harness import run_ranks
 from tests.dist.parity import (
     check_shards,

@@ -14,19 +14,21 @@ from shardwrap.policies import ModuleWrapPolicy
 from tests import models
 from tests.dist.harness import STRATEGIES, WORLD_SIZES, run_ranks
 from tests.dist.parity import (
+    PARITY_GRAD_SCALE,
+    SGD,
+    WEIGHT_DECAY,
     Case,
     batch_for,
     build_model,
     check_shards,
     concat,
+    gradient_l1,
     loss_for,
     make_optimizer,
-    gradient_l1,
     max_shard_difference,
     param_drift,
     wrap_case,
 )
-from tests.dist.parity import PARITY_GRAD_SCALE, SGD, WEIGHT_DECAY
 from tests.tolerances import (
     low_precision_relative,
     reordered_loss_atol,
@@ -68,7 +70,9 @@ def bf16_loss_atol(ref_loss: float, grad_l1: float, master, step: int) -> float:
     (``low_precision_relative`` of the forward chain) and the parameters' drift of the steps
     before (``reordered_loss_atol``)."""
     drift = param_drift(master, bf16_param_tol(step)) if step else 0.0
-    return reordered_loss_atol(ref_loss, grad_l1, drift, low_precision_relative(BF16_FORWARD_ROUNDINGS))
+    return reordered_loss_atol(
+        ref_loss, grad_l1, drift, low_precision_relative(BF16_FORWARD_ROUNDINGS)
+    )
 
 
 class LowPrecisionReference:

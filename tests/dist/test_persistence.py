@@ -21,19 +21,19 @@ from tests.dist import engine_cases
 from tests.dist.ckpt_workers import STEPS_PER_PHASE, assemble, phase
 from tests.dist.harness import run_ranks
 from tests.dist.parity import (
-    clipped_grad_multiple,
     Case,
     batch_for,
     build_model,
     check_shards,
+    clipped_grad_multiple,
     concat,
     loss_for,
     make_optimizer,
     norm_tol,
     optimizer_state_tol,
     reordered_tol,
-    trainable_numel,
     train_and_compare,
+    trainable_numel,
     wrap_case,
 )
 from tests.dist.test_planner import _check as check_planner_rows

@@ -93,7 +93,7 @@ def test_controls_for_hand_written_accumulation():
     gradients as one big batch, and fewer all-gathers in the second micro-batch (its
     forward finds the units still gathered; 3 instead of 7 when measured)."""
     for by_keep in run_ranks(pc.accumulation_worker, 2):
-        for keep, out in by_keep.items():
+        for _keep, out in by_keep.items():
             for name, grad in out["reference"].items():
                 torch.testing.assert_close(
                     out["full_grads"][name], grad, msg=name, **REORDERED_GRAD_TOL

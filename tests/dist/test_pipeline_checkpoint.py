@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from shardwrap.ckpt.consolidate import consolidate
-
 from tests.dist import pipeline_cases as pc
 from tests.dist.harness import run_ranks
 

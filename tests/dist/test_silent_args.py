@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwrap
 from shardwrap import wrap
-from shardwrap.base.warn_once import forget_warned
 from shardwrap.assemble.root import root_of
+from shardwrap.base.warn_once import forget_warned
 from shardwrap.options import BackwardPrefetch, CommQuantization, CPUOffload, MixedPrecision
 from tests import models
 from tests.dist.harness import run_ranks

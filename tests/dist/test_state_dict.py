@@ -96,7 +96,9 @@ def state_dict_worker(rank, world_size, source_strategy, target_strategy):
             ShardedModule.optim_state_dict_to_load(other, other_optim, local_optim)
         )
     steps = 2 * ckpt_workers.STEPS_PER_PHASE
-    parity.check_shards(other, second_reference, world_size == 1, parity.reordered_tol("adamw", steps))
+    parity.check_shards(
+        other, second_reference, world_size == 1, parity.reordered_tol("adamw", steps)
+    )
     return True
 
 

@@ -53,6 +53,8 @@ def _loss_atols(reference) -> list[float]:
     losses, _, state, grad_l1s = reference
     largest = max(float(v.abs().max()) for v in state.values())
     return reordered_loss_atols([float(v) for v in losses], grad_l1s, largest, clipped_param_tol)
+
+
 # bf16 training against an fp32 reference: bf16 keeps 8 bits of mantissa, so one rounding
 # moves a value by at most BF16_EPS / 2 of itself. A gradient of this 2-block model passes
 # through at most 32 bf16 roundings between the loss and the fp32 reduction (the weights'
@@ -117,7 +119,7 @@ def test_no_sync_and_summon_full_params():
     expected = tp_cases.reference_no_sync()
     for out in run_ranks(tp_cases.summon_and_no_sync, WORLD):
         _assert_states(out["state"], expected, **PARAMS_2)
-        for name, (kind, shape, value) in out["summoned"].items():
+        for name, (_kind, shape, value) in out["summoned"].items():
             assert shape == tuple(expected[name].shape), name
             torch.testing.assert_close(value, expected[name], msg=name, **PARAMS_2)
         assert out["summoned"]["blocks.0.fc.weight"][0] == "DTensor"

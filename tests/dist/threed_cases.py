@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh

@@ -15,7 +15,6 @@ the plain ``LlamaForCausalLM`` trained in one process on the global batch.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from torch import nn

@@ -204,7 +204,10 @@ def peer_traffic(rank: int, world_size: int, tiers_kwargs: dict) -> dict:
     assert saved.memory is not None and saved.disk is None, saved
     sends = [r.num_bytes for r in ledger.recorded_since(before) if r.kind == "send"]
     own = [n for n in os.listdir(saved.memory) if f"-rank{rank:05d}." in n]
-    return {"sends": sends, "own_bytes": sum(os.path.getsize(os.path.join(saved.memory, n)) for n in own)}
+    return {
+        "sends": sends,
+        "own_bytes": sum(os.path.getsize(os.path.join(saved.memory, n)) for n in own),
+    }
 
 
 def load_during_background_save(rank: int, world_size: int, tiers_kwargs: dict) -> str:

@@ -359,9 +359,7 @@ def reference_no_sync() -> dict[str, torch.Tensor]:
 
 def hybrid_state(rank: int, world_size: int, num_steps: int) -> dict:
     """HYBRID_SHARD over the (replicate, shard) slice of a (replicate, shard, tp) mesh."""
-    mesh = init_device_mesh(
-        "cpu", (1, DP, TP), mesh_dim_names=("replicate", "shard", "tp")
-    )
+    mesh = init_device_mesh("cpu", (1, DP, TP), mesh_dim_names=("replicate", "shard", "tp"))
     model = ShardedModule(
         parallelize_module(build_reference(), mesh["tp"], tp_plan()),
         device_mesh=mesh["replicate", "shard"],
@@ -409,4 +407,3 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     except ValueError as exc:
         messages["sharded_state_dict"] = str(exc)
     return messages
-
