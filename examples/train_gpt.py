@@ -136,14 +136,14 @@ class Batches:
 
 
 def record_samples(path: str, step: int, ids: list[int]) -> None:
-    """Rank 0 appends ``step world_size unix_time id,id,...`` (every rank's ids, in rank
-    order: the step's global batch)."""
+    """Rank 0 appends ``step world_size unix_time pid id,id,...`` (every rank's ids, in rank
+    order: the step's global batch; the pid tells a restarted worker's steps apart)."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, ids)
     if dist.get_rank() == 0:
         every = ",".join(str(i) for part in gathered for i in part)
         with open(path, "a", encoding="utf-8") as log:
-            log.write(f"{step} {dist.get_world_size()} {time.time():.3f} {every}\n")
+            log.write(f"{step} {dist.get_world_size()} {time.time():.3f} {os.getpid()} {every}\n")
 
 
 def human(num_bytes: float) -> str:

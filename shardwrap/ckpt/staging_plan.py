@@ -20,7 +20,7 @@ caller's thread only
   ``MERGE_GAP_BYTES`` included: a unit's whole flat shard in one copy, not one per
   parameter), all in one ``torch._foreach_copy_``, into views of the arena;
 * takes what else must be as of the call: the generators and data position
-  (``run_state.snapshot_run``), the param groups' settings and optimizer state that is a
+  (``generators.snapshot_run``), the param groups' settings and optimizer state that is a
   JSON value (:meth:`StagingPlan.values_now`).
 
 Everything else (the run record's encoding, the fragment's digest, the records, writing,

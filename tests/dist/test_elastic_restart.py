@@ -95,6 +95,7 @@ class Record:
 
     world_size: int
     time: float
+    pid: int  # the worker's: a restart starts new ones
     ids: tuple[int, ...]
 
 
@@ -200,8 +201,8 @@ def _records(path: Path) -> list[tuple[int, Record]]:
     """Every step record in the order written."""
     found = []
     for line in path.read_text().splitlines():
-        step, world, at, ids = line.split()
-        record = Record(int(world), float(at), tuple(int(i) for i in ids.split(",")))
+        step, world, at, pid, ids = line.split()
+        record = Record(int(world), float(at), int(pid), tuple(int(i) for i in ids.split(",")))
         found.append((int(step), record))
     return found
 
@@ -218,13 +219,17 @@ def _assert_each_sample_once(records: dict[int, Record], reference: dict[int, Re
 
 
 def _figures(folder: Path, name: str) -> tuple[float, int]:
-    """Seconds from the fault to the end of the first resumed step, and steps lost."""
+    """Seconds from the fault to the end of the first resumed step, and steps lost.
+
+    The resumed steps are those of a later worker (its pid), not those logged after the
+    fault's time: a hung rank's peer can log the step before the fault after it began."""
     fault_at = float((folder / f"{name}.fault").read_text())
     records = _records(folder / f"{name}.samples")
-    before = {s for s, r in records if r.time <= fault_at}
-    after = [(s, r) for s, r in records if r.time > fault_at]
+    first_pid = records[0][1].pid
+    before = {s for s, r in records if r.pid == first_pid}
+    after = [(s, r) for s, r in records if r.pid != first_pid]
     first_step, first = after[0]
-    lost = len(before) - (first_step - 1)
+    lost = max(before) - (first_step - 1)
     seconds = first.time - fault_at
     print(
         f"\n{name}: fault in step {FAULT_STEP}, resumed at step {first_step} (world size "
