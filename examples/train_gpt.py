@@ -313,7 +313,10 @@ def main() -> None:
     args = parse_args()
     use_cuda = torch.cuda.is_available()
     timeout = {}
-    if args.collective_timeout:  # the process group's own timeout: collectives not checked
+    # On NCCL (no monitored barrier) the process group's own timeout is the only bound on
+    # a rank that does not arrive. On gloo the named checks below bound it, and a process
+    # group timeout would also cut short slow work that is not a hang (a large save).
+    if args.collective_timeout and use_cuda:
         timeout["timeout"] = datetime.timedelta(seconds=args.collective_timeout)
     dist.init_process_group("nccl" if use_cuda else "gloo", **timeout)
     rank = dist.get_rank()

@@ -40,6 +40,7 @@ from ..comm.collectives import Communicator
 from ..comm.groups import side_group
 from ..comm.ledger import CommLedger
 from .format import CheckpointError
+from .slots import ModelSlots
 from .staging_plan import StagingPlan, build_plan, observe
 
 
@@ -106,13 +107,13 @@ class AsyncSaver:
         self.num_plans = 0  # how many plans were built (a new one per layout change)
         self.in_flight: AsyncSave | None = None
 
-    def stage(self, model: nn.Module, optimizer) -> StagingPlan:
+    def stage(self, model: nn.Module, optimizer, slots: ModelSlots) -> StagingPlan:
         """Copy ``model``'s and ``optimizer``'s state into the plan's host arena, as of now
         (a new plan first if the layout changed); the plan, whose items read the copies."""
         key, roots = observe(model, optimizer)
         plan = self.plan
         if plan is None or not plan.fits(key):
-            plan = build_plan(model, optimizer, key, roots, plan)
+            plan = build_plan(model, optimizer, key, roots, plan, slots)
             self.plan, self.num_plans = plan, self.num_plans + 1
         plan.copy(roots)
         return plan

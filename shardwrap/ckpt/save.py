@@ -125,6 +125,7 @@ class Taken:
     """What an asynchronous save takes on the caller's thread ([Note: asynchronous saves])."""
 
     plan: StagingPlan  # its items read the staged copies
+    slots: ModelSlots  # the model's, as of the call (the plan keeps none: see its note)
     contributions: Callable[[str], Saved]  # the other kinds' (the run state), given the id
     extra: Any  # JSON, as of the call
     groups: list[dict[str, Any]] | None  # the param groups' settings, as of the call
@@ -146,10 +147,11 @@ def _save_in_background(
 def _take(saver: async_save.AsyncSaver, model: Any, optimizer, extra: Any, sampler: Any) -> Taken:
     run_state.check_sampler("sampler", sampler, "state_dict")
     extra = json_snapshot("extra", extra)
-    plan = saver.stage(model, optimizer)
+    slots = model_slots(model)
+    plan = saver.stage(model, optimizer, slots)
     groups, values = plan.values_now(optimizer)
-    contributions = take_all(SaveContext("", plan.slots, optimizer, sampler))
-    return Taken(plan, contributions, extra, groups, values)
+    contributions = take_all(SaveContext("", slots, optimizer, sampler))
+    return Taken(plan, slots, contributions, extra, groups, values)
 
 
 def _finish_in_background(
@@ -162,7 +164,7 @@ def _finish_in_background(
     assert taken.value is not None  # no rank failed
     value = taken.value
     staged = guarded(lambda: _staged_from(value, save_id))
-    job = SaveJob(root, save_id, value.plan.slots, optimizer, value.extra, on_commit, after_save)
+    job = SaveJob(root, save_id, value.slots, optimizer, value.extra, on_commit, after_save)
     _finish_save(job, staged, comm)
 
 
@@ -172,7 +174,7 @@ def _staged_from(taken: Taken, save_id: str) -> Staged:
     saved = Saved(list(plan.items), list(plan.records))
     saved.add(taken.contributions(save_id))  # the kinds after the tensor kinds, in order
     fragment = plan.fragment_with(taken.groups, taken.values)
-    return Staged(saved, fragments.to_send(plan.slots, fragment))
+    return Staged(saved, fragments.to_send(taken.slots, fragment))
 
 
 def _finish_save(job: SaveJob, staged: Outcome[Staged], comm: Communicator) -> None:

@@ -32,6 +32,7 @@ a save function made) is copied from the tensor the build saw and the plan is no
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ from .kinds import TENSOR_KINDS, save_all
 from .optim_state import VALUE, hyperparameters, optimizer_slots, state_kind
 from .piece_records import PieceRecord, SaveContext
 from .safetensors_writer import StreamItem
-from .slots import ModelSlots, model_slots
+from .slots import ModelSlots
 
 MERGE_GAP_BYTES = 64 << 10  # pieces of one root closer than this are copied as one run
 _ALIGN = 64  # bytes; every run starts at a multiple of it in the arena
@@ -65,8 +66,10 @@ def observe(model: nn.Module, optimizer: Any) -> tuple[tuple, list[torch.Tensor]
             plain.append((name, id(tensor)))
             roots.append(local_tensor(tensor))
     params: tuple = ()
+    groups: tuple = ()  # each group's parameters: a regrouping is another layout
     held: list[tuple] = []
     if optimizer is not None:
+        groups = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
         params = tuple(p for group in optimizer.param_groups for p in group["params"])
         for param in params:
             names = []
@@ -78,7 +81,7 @@ def observe(model: nn.Module, optimizer: Any) -> tuple[tuple, list[torch.Tensor]
             held.append(tuple(names))
     shapes = tuple((r.data_ptr(), r.dtype, r.shape, r.is_contiguous(), r.device) for r in roots)
     layouts = tuple((id(h), id(h.layout)) for h in handles)
-    key = (id(root), layouts, tuple(plain), id(optimizer), tuple(map(id, params)), tuple(held))
+    key = (id(root), layouts, tuple(plain), id(optimizer), groups, tuple(held))
     return key + (shapes,), roots
 
 
@@ -96,7 +99,7 @@ class Run:
 class ValueSite:
     """Optimizer state that is a JSON value (taken at every save)."""
 
-    param: nn.Parameter
+    index: int  # the parameter's place in the optimizer's groups, in order (the key fixes it)
     state: str
     fqn: str
 
@@ -104,9 +107,11 @@ class ValueSite:
 class StagingPlan:
     """One layout's staging: runs, the arena and its views, records, the fragment."""
 
-    def __init__(self, key: tuple, slots: ModelSlots) -> None:
+    def __init__(self, key: tuple) -> None:
+        # Nothing here may hold the model, its modules or its parameters: the model's saver
+        # keeps the plan in a weak map keyed by the model (ckpt/async_save.py), and a value
+        # that reached its key would keep both alive for good.
         self.key = key  # observe()'s key when built
-        self.slots = slots
         self.items: list[StreamItem] = []  # one per piece, a view of the arena
         self.records: list[PieceRecord] = []  # one per item
         self.fragment = Fragment()  # groups and JSON state values set at each save
@@ -143,8 +148,12 @@ class StagingPlan:
         """The param groups' settings and the JSON optimizer state, as of now."""
         if optimizer is None:
             return None, []
-        groups = [hyperparameters(g, i) for i, g in enumerate(optimizer.param_groups)]
-        return groups, [optimizer.state[s.param][s.state] for s in self.value_sites]
+        # copied: a list or dict setting changed in place after the call is not this save's
+        groups = copy.deepcopy(
+            [hyperparameters(g, i) for i, g in enumerate(optimizer.param_groups)]
+        )
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return groups, [optimizer.state[params[s.index]][s.state] for s in self.value_sites]
 
     def fragment_with(self, groups: list[dict[str, Any]] | None, values: list[Any]) -> Fragment:
         """The rank's fragment, given what :meth:`values_now` took."""
@@ -166,20 +175,23 @@ def build_plan(
     key: tuple,
     roots: list[torch.Tensor],
     previous: StagingPlan | None,
+    slots: ModelSlots,
 ) -> StagingPlan:
-    """A plan for the layout ``key`` (its roots ``roots``), reusing ``previous``'s arena
-    when it is large enough."""
-    slots = model_slots(model)
-    plan = StagingPlan(key, slots)
+    """A plan for the layout ``key`` (its roots ``roots``, the model's ``slots``), reusing
+    ``previous``'s arena when it is large enough."""
+    plan = StagingPlan(key)
     saved = save_all(SaveContext("", slots, optimizer, None), TENSOR_KINDS)
     assert not saved.files and not saved.meta  # the tensor kinds contribute pieces only
     plan.records = saved.records
     plan.fragment = fragments.fragment(slots, optimizer)
     if optimizer is not None:
+        order = {
+            id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        }
         for slot in (s for group in optimizer_slots(optimizer, slots) for s in group):
             for state, value in optimizer.state.get(slot.local, {}).items():
                 if state_kind(slot, state, value) == VALUE:
-                    plan.value_sites.append(ValueSite(slot.local, state, slot.fqn))
+                    plan.value_sites.append(ValueSite(order[id(slot.local)], state, slot.fqn))
     pieces = [item.produce().detach() for item in saved.items]
     spans = _place(plan, roots, pieces)
     offsets, total = [], 0

@@ -70,6 +70,14 @@ def set_hook(
                 "reduce-dtype output, shardwrap divides after the cast. Reduce in the "
                 "parameters' dtype (mp_policy reduce_dtype)"
             )
+        if unit_grads.divides_around_reduction:
+            raise NotImplementedError(
+                "FSDPModule.set_all_reduce_hook is not yet supported by shardwrap for unit "
+                f"{unit_grads.comm_label!r}: it reduces in float16, where FSDP2 calls the "
+                "hook between its division before the sum and the one after it, and "
+                "shardwrap divides both before the hook. Reduce in float32 or bfloat16 "
+                "(mp_policy reduce_dtype)"
+            )
         unit_grads.replicas.hook = hook
 
 

@@ -1,15 +1,17 @@
 """What the FSDP2 door knows about each module ``fully_shard`` was called on.
 
-One record per call, kept against the module weakly (as FSDP2 keeps its state against
-the module): the unit the call made, the mesh, the call's ``reshard_after_forward``, and,
-for the module whose call is a root now (the outermost so far), that ``ShardRoot`` (kept
-alive here: ``assemble/root.py``'s registry holds it weakly) and its forward hook. A later
-call on an ancestor adopts the units and clears those.
+One record per call, kept on the module itself (an attribute), as FSDP2's state lives
+with the module: the record reaches the module (its unit, its root), so a weak map keyed
+by the module never let either go, and every model given to ``fully_shard`` lived until
+the process ended. The record holds the unit the call made, the mesh, the call's
+``reshard_after_forward``, and, for the module whose call is a root now (the outermost so
+far), that ``ShardRoot`` (kept alive here: ``assemble/root.py``'s registry holds it
+weakly) and its forward hook. A later call on an ancestor adopts the units and clears
+those.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,21 +37,21 @@ class DoorUnit:
     root_hook: Any = None  # the root's forward pre-hook handle (begin_forward)
 
 
-_STATE: weakref.WeakKeyDictionary[nn.Module, DoorUnit] = weakref.WeakKeyDictionary()
+_ATTRIBUTE = "_shardwrap_fully_shard"  # in the module's __dict__: no nn.Module lookup
 
 
 def state_of(module: nn.Module) -> DoorUnit | None:
     """The record of ``fully_shard(module)``, or None if it was not called on it."""
-    return _STATE.get(module)
+    return module.__dict__.get(_ATTRIBUTE)
 
 
 def set_state(module: nn.Module, state: DoorUnit) -> None:
-    _STATE[module] = state
+    module.__dict__[_ATTRIBUTE] = state
 
 
 def runtime_for(module: nn.Module) -> StepRuntime:
     """The runtime of the root that owns ``module``'s unit."""
-    state = _STATE.get(module)
+    state = state_of(module)
     if state is None:
         raise RuntimeError(f"{type(module).__name__}: fully_shard was not called on it")
     runtime = registry.runtime_of(state.unit)

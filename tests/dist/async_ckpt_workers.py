@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import errno
+import gc
 import os
 import threading
 import time
+import weakref
 
 import torch
 
@@ -53,9 +55,9 @@ def _aliasing(stage):
     """``AsyncSaver.stage`` whose plan hands the writer the live tensors (the save
     functions' lazy views), not the staged copies: the negative control."""
 
-    def stage_then_alias(self, model, optimizer):
-        plan = stage(self, model, optimizer)
-        ctx = SaveContext("", plan.slots, optimizer, None)
+    def stage_then_alias(self, model, optimizer, slots):
+        plan = stage(self, model, optimizer, slots)
+        ctx = SaveContext("", slots, optimizer, None)
         plan.items = kinds.save_all(ctx, kinds.TENSOR_KINDS).items
         return plan
 
@@ -179,11 +181,14 @@ def async_crash_phase(rank: int, world_size: int, load_from: str, save_to: str, 
     handle.result()
 
 
-def saves_across_layout_changes(rank: int, world_size: int, root: str, stale: bool) -> dict:
+def saves_across_layout_changes(
+    rank: int, world_size: int, root: str, stale: bool, regroup: bool = True
+) -> dict:
     """Four asynchronous saves of one model into ``root``/a..d, the layout changing before
     the second and third: ``a`` before any step (no optimizer state), ``b`` after two steps
     (the state appeared), ``c`` after resuming from ``b`` (``load_checkpoint`` gives the
-    optimizer new state tensors) with half the learning rate, ``d`` with nothing changed.
+    optimizer new state tensors) with half the learning rate, ``d`` with nothing changed,
+    ``e`` with the last param group split in two (the parameters' order unchanged).
 
     ``stale`` (the negative control): the saver keeps its first plan whatever changed.
     Returns this rank's pieces at each call, the saver's plan count and arena after each.
@@ -217,6 +222,44 @@ def saves_across_layout_changes(rank: int, world_size: int, root: str, stale: bo
             group["lr"] = group["lr"] / 2
         save("c")
         save("d")
+        if not regroup:
+            return observed
+        # e: the same parameters, in the same order, the last group split in two (the
+        # second part with another lr): only the groups' boundaries moved
+        last = optim.param_groups[-1]
+        moved = last["params"][-2:]
+        last["params"] = last["params"][:-2]
+        optim.param_groups.append({**last, "params": moved, "lr": last["lr"] / 4})
+        save("e")
     finally:
         staging_plan.StagingPlan.fits = fits
     return observed
+
+
+_WEAK_BY_MODULE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def saved_model_is_collected(rank: int, world_size: int, root: str, weak_map: bool) -> bool:
+    """Whether an FSDP2 door model that trained and saved asynchronously is freed once the
+    user drops it. Both the door's record of a call and the model's saver are kept per
+    module; a value that reaches its module (the unit, the root, the slots) in a weak map
+    keyed by that module keeps it for good. ``weak_map`` (the negative control): the
+    door's record is also kept that way, as the door kept it before 2026-12-04."""
+    import shardwrap
+    from shardwrap.fsdp2.state import state_of
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    shardwrap.fully_shard(model)  # the root owns its parameters' unit
+    if weak_map:
+        _WEAK_BY_MODULE[model] = state_of(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    save_checkpoint(os.path.join(root, "ckpt"), model, optim, asynchronous=True).result()
+    assert async_save.existing_saver(model).plan is not None
+    dropped = weakref.ref(model)
+    del model, optim
+    gc.collect()
+    freed = dropped() is None
+    _WEAK_BY_MODULE.clear()
+    return freed

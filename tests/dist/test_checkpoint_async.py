@@ -16,6 +16,7 @@ from tests.dist.async_ckpt_workers import (
     failing_background_write,
     matches_snapshot,
     matches_snapshots,
+    saved_model_is_collected,
     saves_across_layout_changes,
     train_while_saving,
 )
@@ -54,7 +55,7 @@ def test_staging_that_aliases_live_tensors_is_caught(tmp_path):
 
 
 def _layout_changes(tmp_path, stale: bool) -> tuple[list[dict], list[bool]]:
-    observed = run_ranks(saves_across_layout_changes, 2, str(tmp_path), stale)
+    observed = run_ranks(saves_across_layout_changes, 2, str(tmp_path), stale, not stale)
     paths = [str(tmp_path / name) for name in "abcd"]
     snapshots = [assemble([o["pieces"][index] for o in observed]) for index in range(4)]
     every_rank = run_ranks(matches_snapshots, 2, "SHARD_GRAD_OP", paths, snapshots)
@@ -66,20 +67,33 @@ def test_staging_plan_is_rebuilt_when_the_layout_changes(tmp_path):
     when it changes: optimizer state that appears after the first save, new state tensors
     after a resume; each checkpoint loads as the state at its call, settings included.
 
-    Negative control (``stale``: the first plan kept whatever changed, ``StagingPlan.fits``
-    always true), run once: plans [1, 1, 1, 1] on both ranks and matches [True, False,
-    True, True]: ``b`` holds no optimizer state (the plan of ``a`` had none), so it loads
-    without the two steps' Adam state; resuming from it cleared the state, so ``c`` and
-    ``d`` hold none either and still match."""
+    Negative controls: the next test (a stale plan); and, run once, the key of
+    ``observe`` without the groups' boundaries (the parameters in one tuple): ``e`` reused
+    the plan of ``d`` and its ``result()`` failed pairing two groups with one."""
     observed, matches = _layout_changes(tmp_path, stale=False)
     assert matches == [True, True, True, True]
     for o in observed:
-        # a; b: state appeared; c: new state tensors; d: unchanged, the plan kept.
-        assert o["plans"] == [1, 2, 3, 3], o["plans"]
+        # a; b: state appeared; c: new state tensors; d: unchanged, the plan kept;
+        # e: the last group split in two, the parameters in the same order.
+        assert o["plans"] == [1, 2, 3, 3, 4], o["plans"]
         # The arena grew once (for the optimizer state), then was reused.
-        assert o["arenas"][1] == o["arenas"][2] == o["arenas"][3], o["arenas"]
-    lrs = [read_index(str(tmp_path / name)).param_groups[0]["lr"] for name in "abcd"]
+        assert o["arenas"][1] == o["arenas"][2] == o["arenas"][3] == o["arenas"][4], o["arenas"]
+    lrs = [read_index(str(tmp_path / name)).param_groups[0]["lr"] for name in "abcde"]
     assert lrs == observed[0]["lr"] and lrs[2] == lrs[1] / 2, lrs
+    groups = read_index(str(tmp_path / "e")).param_groups
+    before = [g["params"] for g in read_index(str(tmp_path / "d")).param_groups]
+    assert [g["params"] for g in groups] == [*before[:-1], before[-1][:-2], before[-1][-2:]]
+    assert groups[-1]["lr"] == groups[-2]["lr"] / 4, groups
+
+
+def test_stale_staging_plan_loses_the_optimizer_state(tmp_path):
+    """Negative control of the test above (without ``e``): a plan kept whatever changed
+    (``fits`` always true) saves ``b`` with the optimizer state of ``a``'s layout, none, so
+    ``b`` loads without its two steps' Adam state; resuming from it cleared the state, so
+    ``c`` and ``d`` hold none either and still match."""
+    observed, matches = _layout_changes(tmp_path, stale=True)
+    assert matches == [True, False, True, True]
+    assert all(o["plans"] == [1, 1, 1, 1] for o in observed), observed
 
 
 def test_background_write_failure_names_rank_and_file(tmp_path):
@@ -121,3 +135,13 @@ def test_engine_async_save_resumes_on_another_world_size(tmp_path):
     with open(os.path.join(save_dir, "latest"), encoding="utf-8") as handle:
         assert handle.read() == "global_step2"
     run_ranks(engine_cases.save_then_resume, 3, save_dir, 2)
+
+
+def test_a_model_that_saved_asynchronously_is_freed(tmp_path):
+    """Neither the FSDP2 door's record of a call (shardwrap/fsdp2/state.py) nor the
+    model's saver ([Note: staging plans]) keeps the model: a door model that trained and
+    saved asynchronously goes when the user drops it, its host arena with it. Negative
+    control in the same test: the door's record kept in a weak map keyed by the module,
+    as the door kept it before, keeps the model alive."""
+    assert run_ranks(saved_model_is_collected, 2, str(tmp_path / "a"), False) == [True, True]
+    assert run_ranks(saved_model_is_collected, 2, str(tmp_path / "b"), True) == [False, False]

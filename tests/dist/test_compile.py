@@ -130,7 +130,7 @@ def results() -> list[dict]:
     previous, harness.RANK_TIMEOUT_S = harness.RANK_TIMEOUT_S, COMPILE_TIMEOUT_S
     previous_cache = os.environ.get(INDUCTOR_CACHE_VAR)
     with tempfile.TemporaryDirectory(prefix="shardwrap-inductor-") as cache:
-        os.environ[INDUCTOR_CACHE_VAR] = cache  # the spawned ranks inherit it
+        os.environ[INDUCTOR_CACHE_VAR] = cache  # fresh ranks start with this environment
         try:
             return run_ranks(_all_cases, WORLD_SIZE, fresh=True)
         finally:

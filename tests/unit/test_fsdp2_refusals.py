@@ -211,6 +211,30 @@ def test_float16_sums_are_divided_around_the_sum_as_fsdp2_divides_them(factor, s
     assert split[0] * split[1] == factor
 
 
+class _Sized:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("factor", [None, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 12, 16])
+def test_float16_division_follows_the_installed_torchs_rule(world, factor):
+    """The same split as the installed torch's FSDP2 computes for a float16 reduction
+    (its private ``_get_gradient_divide_factors``, in 2.13 to 2.15): a change of torch's
+    rule fails here, not in a comparison of trained weights."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+
+    before, after, *_ = _get_gradient_divide_factors(
+        _Sized(world), None, torch.float16, factor=factor
+    )
+    assert split_divisor(float(world) if factor is None else factor) == (before, after)
+
+
 def test_the_all_reduce_hooks_arguments_are_checked_by_name():
     """FSDP2's own ValueError for a stream under HSDP; on a 1-D mesh a stream is refused
     (the hook runs on the current stream). Negative control: a callable, no stream, passes."""
