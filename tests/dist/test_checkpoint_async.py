@@ -69,7 +69,7 @@ def test_staging_plan_is_rebuilt_when_the_layout_changes(tmp_path):
 
     Negative controls: the next test (a stale plan); and, run once, the key of
     ``observe`` without the groups' boundaries (the parameters in one tuple): ``e`` reused
-    the plan of ``d`` and its ``result()`` failed pairing two groups with one."""
+    the plan of ``d`` and its ``result()`` failed pairing three groups with two."""
     observed, matches = _layout_changes(tmp_path, stale=False)
     assert matches == [True, True, True, True]
     for o in observed:
