@@ -237,6 +237,19 @@ def _fsdp2(model: nn.Module, **_) -> TorchTrainer:
     return TorchTrainer(model)
 
 
+def _sw_fully_shard(model: nn.Module, **_) -> TorchTrainer:
+    """shardwrap's FSDP2 door, applied as ``_fsdp2`` applies torch's: the same script."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardwrap
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for block in model.blocks:
+        shardwrap.fully_shard(block, mesh=mesh)
+    shardwrap.fully_shard(model, mesh=mesh)
+    return TorchTrainer(model)
+
+
 def _ddp(model: nn.Module, **_) -> TorchTrainer:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -366,6 +379,8 @@ IMPLS: dict[str, ImplSpec] = {
         ImplSpec("fsdp1_full_shard", "fsdp1", 3, _fsdp1("FULL_SHARD")),
         ImplSpec("fsdp1_shard_grad_op", "fsdp1", 2, _fsdp1("SHARD_GRAD_OP")),
         ImplSpec("fsdp2", "fsdp2", 3, _fsdp2),
+        # shardwrap's FSDP2 door (issue 29): torch's FSDP2 script with shardwrap.fully_shard
+        ImplSpec("sw_fully_shard", "shardwrap", 3, _sw_fully_shard),
         ImplSpec("ds_zero1", "deepspeed", 1, _deepspeed(1)),
         ImplSpec("ds_zero2", "deepspeed", 2, _deepspeed(2)),
         ImplSpec("ds_zero3", "deepspeed", 3, _deepspeed(3)),
