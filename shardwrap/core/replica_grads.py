@@ -46,6 +46,11 @@ class ReplicaGrads:
         self.hook: Callable[[torch.Tensor], None] | None = None
         self.hook_sees_sum = False  # set_force_sum_reduction_for_comms(True)
 
+    def require_all_reduce(self, value: bool) -> None:
+        """Whether the next backwards all-reduce across replicas ([Note: the replica
+        all-reduce skipped]); the one writer of ``all_reduce_grads``."""
+        self.all_reduce_grads = value
+
     def keep(self, reduced: torch.Tensor) -> None:
         """Keep a reduce-scatter output whose all-reduce is skipped (summed with earlier ones)."""
         if self.kept is None:

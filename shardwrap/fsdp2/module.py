@@ -93,7 +93,7 @@ class FSDPModule:
             _check_local_accumulation(runtime)
         for unit in runtime.units:  # without a sync nothing is reduced, so no check here
             if unit.handle is not None:
-                unit.handle.grads.replicas.all_reduce_grads = value
+                unit.handle.grads.replicas.require_all_reduce(value)
         runtime.sync_grads = value
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):

@@ -43,7 +43,7 @@ def set_all_reduce(modules: Iterable[nn.Module], requires_all_reduce: bool) -> N
                     "reduce-scatter output to keep); use set_requires_gradient_sync(False)"
                 )
     for unit_grads in grads:
-        unit_grads.replicas.all_reduce_grads = requires_all_reduce
+        unit_grads.replicas.require_all_reduce(requires_all_reduce)
 
 
 def set_hook(

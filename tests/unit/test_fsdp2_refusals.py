@@ -7,6 +7,7 @@ the same checks (``test_defaults_pass``), so the refusals are not a blanket fail
 
 from __future__ import annotations
 
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -246,6 +247,30 @@ def test_the_all_reduce_hooks_arguments_are_checked_by_name():
     with pytest.raises(NotImplementedError, match=r"set_all_reduce_hook\(stream=...\)"):
         set_hook(module, print, object(), hsdp=False)
     set_hook(module, print, None, hsdp=True)  # no fully_shard state: no unit to set
+
+
+@pytest.mark.parametrize("around", [True, False])
+def test_a_float16_reduction_refuses_the_all_reduce_hook(monkeypatch, around):
+    """FSDP2 calls the hook between its two divisions of a float16 sum; shardwrap divides
+    both before the hook, so the hook is refused there, by name. Control: the same unit
+    dividing once (``around`` False) takes the hook."""
+    import shardwrap.fsdp2.replicas as replicas_module
+
+    grads = types.SimpleNamespace(
+        reduce_dtype=torch.float16,
+        dtype=torch.float16,
+        divides_around_reduction=around,
+        comm_label="blocks.0",
+        replicas=ReplicaGrads(),
+    )
+    monkeypatch.setattr(replicas_module, "_unit_grads", lambda modules: [grads])
+    if around:
+        with pytest.raises(NotImplementedError, match="'blocks.0': it reduces in float16"):
+            set_hook(nn.Linear(2, 2), print, None, hsdp=True)
+        assert grads.replicas.hook is None
+    else:
+        set_hook(nn.Linear(2, 2), print, None, hsdp=True)
+        assert grads.replicas.hook is print
 
 
 def test_a_skipped_all_reduce_keeps_the_sum_and_its_presence_flags():
