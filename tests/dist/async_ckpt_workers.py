@@ -263,3 +263,71 @@ def saved_model_is_collected(rank: int, world_size: int, root: str, weak_map: bo
     freed = dropped() is None
     _WEAK_BY_MODULE.clear()
     return freed
+
+
+_COLLECTIVES = (
+    "all_reduce", "broadcast", "gather", "all_gather_object", "all_gather_single",
+    "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+    "all_to_all_single", "monitored_barrier", "barrier", "isend", "irecv",
+)  # fmt: skip
+
+
+def _collectives_on_this_thread(call) -> list[str]:
+    """The torch.distributed collectives ``call()`` issues from the calling thread."""
+    import torch.distributed as dist
+
+    me, seen, originals = threading.get_ident(), [], {}
+    for name in _COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def recording(*args, _name=name, _original=original, **kwargs):
+            if threading.get_ident() == me:
+                seen.append(_name)
+            return _original(*args, **kwargs)
+
+        originals[name] = original
+        setattr(dist, name, recording)
+    try:
+        call()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return seen
+
+
+def collectives_of_a_save_call(rank: int, world_size: int, root: str) -> dict:
+    """The collectives the caller's thread issues in ``save_checkpoint``: asynchronous
+    (after the model's first, which makes the background group) and, as the control that
+    the recorder sees them, synchronous; and a bad ``extra`` on rank 1 only."""
+    torch.manual_seed(1234)
+    model = models.TinyGPT()
+    reference = copy.deepcopy(model)
+    sharded = wrap(model, world_size, "FULL_SHARD")
+    optim = parity.make_optimizer(sharded, "adamw")
+    ref_optim = parity.make_optimizer(reference, "adamw")
+    train_steps(sharded, optim, reference, ref_optim, world_size, rank, 0)
+    save_checkpoint(os.path.join(root, "a"), sharded, optim, asynchronous=True).result()
+    handles = []
+    found = {
+        "async": _collectives_on_this_thread(
+            lambda: handles.append(
+                save_checkpoint(os.path.join(root, "b"), sharded, optim, asynchronous=True)
+            )
+        )
+    }
+    handles[0].result()
+    found["sync"] = _collectives_on_this_thread(
+        lambda: save_checkpoint(os.path.join(root, "c"), sharded, optim)
+    )
+    extra = {"bad": object()} if rank == 1 else {"step": 2}
+    handle = save_checkpoint(
+        os.path.join(root, "d"), sharded, optim, extra=extra, asynchronous=True
+    )
+    try:
+        handle.result()
+        found["bad_extra"] = ""
+    except CheckpointError as exc:
+        found["bad_extra"] = str(exc)
+    return found

@@ -13,6 +13,7 @@ from tests.dist import engine_cases
 from tests.dist.async_ckpt_workers import (
     GATE_SECONDS,
     async_crash_phase,
+    collectives_of_a_save_call,
     failing_background_write,
     matches_snapshot,
     matches_snapshots,
@@ -145,3 +146,14 @@ def test_a_model_that_saved_asynchronously_is_freed(tmp_path):
     as the door kept it before, keeps the model alive."""
     assert run_ranks(saved_model_is_collected, 2, str(tmp_path / "a"), False) == [True, True]
     assert run_ranks(saved_model_is_collected, 2, str(tmp_path / "b"), True) == [False, False]
+
+
+def test_the_asynchronous_call_issues_no_collective_and_shares_a_bad_argument(tmp_path):
+    """docs/checkpoints.md: an asynchronous save's call does no collective (the save id is
+    agreed on the background thread), and a bad argument on one rank raises from every
+    rank's ``result()``. Control in the same call: a synchronous save, recorded the same
+    way, issues its collectives on the caller's thread."""
+    for found in run_ranks(collectives_of_a_save_call, 2, str(tmp_path)):
+        assert found["async"] == [], found
+        assert found["sync"], found
+        assert "rank 1" in found["bad_extra"] and "extra" in found["bad_extra"], found
