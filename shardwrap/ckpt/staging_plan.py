@@ -54,6 +54,11 @@ MERGE_GAP_BYTES = 64 << 10  # pieces of one root closer than this are copied as 
 _ALIGN = 64  # bytes; every run starts at a multiple of it in the arena
 
 
+def _params_in_order(optimizer: Any) -> tuple[nn.Parameter, ...]:
+    """The optimizer's parameters, group after group (what a ``ValueSite.index`` counts)."""
+    return tuple(p for group in optimizer.param_groups for p in group["params"])
+
+
 def observe(model: nn.Module, optimizer: Any) -> tuple[tuple, list[torch.Tensor]]:
     """What a plan depends on (its key) and the tensors a staging copy reads, as of now."""
     root = root_of(model)
@@ -70,7 +75,7 @@ def observe(model: nn.Module, optimizer: Any) -> tuple[tuple, list[torch.Tensor]
     held: list[tuple] = []
     if optimizer is not None:
         groups = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
-        params = tuple(p for group in optimizer.param_groups for p in group["params"])
+        params = _params_in_order(optimizer)
         for param in params:
             names = []
             for name, value in (optimizer.state.get(param) or {}).items():
@@ -152,7 +157,7 @@ class StagingPlan:
         groups = copy.deepcopy(
             [hyperparameters(g, i) for i, g in enumerate(optimizer.param_groups)]
         )
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = _params_in_order(optimizer)
         return groups, [optimizer.state[params[s.index]][s.state] for s in self.value_sites]
 
     def fragment_with(self, groups: list[dict[str, Any]] | None, values: list[Any]) -> Fragment:
@@ -185,9 +190,7 @@ def build_plan(
     plan.records = saved.records
     plan.fragment = fragments.fragment(slots, optimizer)
     if optimizer is not None:
-        order = {
-            id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
-        }
+        order = {id(p): i for i, p in enumerate(_params_in_order(optimizer))}
         for slot in (s for group in optimizer_slots(optimizer, slots) for s in group):
             for state, value in optimizer.state.get(slot.local, {}).items():
                 if state_kind(slot, state, value) == VALUE:

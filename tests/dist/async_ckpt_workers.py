@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import errno
 import gc
 import os
@@ -23,6 +22,7 @@ from tests.dist.ckpt_workers import (
     _die_halfway,
     check_equals_snapshot,
     convert,
+    fresh_pair,
     local_pieces,
     reference_from,
     train_steps,
@@ -72,12 +72,7 @@ def train_while_saving(
     ``alias`` (the negative control): staging hands the writer the live tensors instead of
     copies. Returns this rank's pieces at each save and what the ranks observed.
     """
-    torch.manual_seed(1234)
-    model = models.TinyGPT()
-    reference = copy.deepcopy(model)
-    sharded = wrap(model, world_size, strategy)
-    optim = parity.make_optimizer(sharded, "adamw")
-    ref_optim = parity.make_optimizer(reference, "adamw")
+    sharded, optim, reference, ref_optim = fresh_pair(world_size, strategy)
     train_steps(sharded, optim, reference, ref_optim, world_size, rank, 0)
     at_first = local_pieces(sharded, optim)
     gate = threading.Event()
@@ -193,12 +188,7 @@ def saves_across_layout_changes(
     ``stale`` (the negative control): the saver keeps its first plan whatever changed.
     Returns this rank's pieces at each call, the saver's plan count and arena after each.
     """
-    torch.manual_seed(1234)
-    model = models.TinyGPT()
-    reference = copy.deepcopy(model)
-    sharded = wrap(model, world_size, "FULL_SHARD")
-    optim = parity.make_optimizer(sharded, "adamw")
-    ref_optim = parity.make_optimizer(reference, "adamw")
+    sharded, optim, reference, ref_optim = fresh_pair(world_size, "FULL_SHARD")
     observed: dict[str, list] = {"pieces": [], "plans": [], "arenas": [], "lr": []}
 
     def save(name: str) -> None:
@@ -301,12 +291,7 @@ def collectives_of_a_save_call(rank: int, world_size: int, root: str) -> dict:
     """The collectives the caller's thread issues in ``save_checkpoint``: asynchronous
     (after the model's first, which makes the background group) and, as the control that
     the recorder sees them, synchronous; and a bad ``extra`` on rank 1 only."""
-    torch.manual_seed(1234)
-    model = models.TinyGPT()
-    reference = copy.deepcopy(model)
-    sharded = wrap(model, world_size, "FULL_SHARD")
-    optim = parity.make_optimizer(sharded, "adamw")
-    ref_optim = parity.make_optimizer(reference, "adamw")
+    sharded, optim, reference, ref_optim = fresh_pair(world_size, "FULL_SHARD")
     train_steps(sharded, optim, reference, ref_optim, world_size, rank, 0)
     save_checkpoint(os.path.join(root, "a"), sharded, optim, asynchronous=True).result()
     handles = []

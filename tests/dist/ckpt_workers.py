@@ -25,6 +25,17 @@ from tests.dist import parity
 STEPS_PER_PHASE = 2
 
 
+def fresh_pair(world_size: int, strategy: str, persistence_threshold: int = 0) -> tuple:
+    """A seeded TinyGPT wrapped under ``strategy`` and its unsharded copy, each with its
+    AdamW: ``(sharded, optim, reference, ref_optim)``, for :func:`train_steps`."""
+    torch.manual_seed(1234)
+    model = models.TinyGPT()
+    reference = copy.deepcopy(model)
+    sharded = wrap(model, world_size, strategy, persistence_threshold)
+    optim = parity.make_optimizer(sharded, "adamw")
+    return sharded, optim, reference, parity.make_optimizer(reference, "adamw")
+
+
 def wrap(
     model: nn.Module, world_size: int, strategy: str, persistence_threshold: int = 0
 ) -> shardwrap.ShardedModule:
@@ -169,12 +180,9 @@ def phase(
     ``persistence_threshold``: ``ShardedModule``'s ``param_persistence_threshold``.
     """
     if load_from is None:
-        torch.manual_seed(1234)
-        model = models.TinyGPT()
-        reference = copy.deepcopy(model)
-        sharded = wrap(model, world_size, strategy, persistence_threshold)
-        optim = parity.make_optimizer(sharded, "adamw")
-        ref_optim = parity.make_optimizer(reference, "adamw")
+        sharded, optim, reference, ref_optim = fresh_pair(
+            world_size, strategy, persistence_threshold
+        )
     else:
         torch.manual_seed(7 + first_step)  # a different init: the load must overwrite it
         sharded = wrap(models.TinyGPT(), world_size, strategy, persistence_threshold)
