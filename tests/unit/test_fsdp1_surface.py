@@ -24,6 +24,7 @@ from torch import nn
 import shardwrap
 import shardwrap.wrap
 from shardwrap.base.records import as_record
+from shardwrap.base.warn_once import forget_warned
 from tests import models
 
 _FSDP2 = "FSDP2, not part of the FSDP1 promise"
@@ -125,18 +126,20 @@ def test_the_table_is_the_documented_one():
 
 # ------------------------------------------------------- behaviour of the additions
 def test_torch_option_objects_are_accepted(one_rank):
-    model = shardwrap.FullyShardedDataParallel(
-        models.TinyGPT(),
-        cpu_offload=torch_fsdp.CPUOffload(offload_params=False),
-        mixed_precision=torch_fsdp.MixedPrecision(
-            param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32
-        ),
-        sharding_strategy=torch_fsdp.ShardingStrategy.SHARD_GRAD_OP,
-        backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_POST,
-        device_id=torch.device("cpu"),
-        sync_module_states=True,
-        use_orig_params=False,
-    )
+    forget_warned()  # an earlier test in this process may have warned already
+    with pytest.warns(UserWarning, match=r"use_orig_params=False\): not acted on"):
+        model = shardwrap.FullyShardedDataParallel(
+            models.TinyGPT(),
+            cpu_offload=torch_fsdp.CPUOffload(offload_params=False),
+            mixed_precision=torch_fsdp.MixedPrecision(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+            ),
+            sharding_strategy=torch_fsdp.ShardingStrategy.SHARD_GRAD_OP,
+            backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_POST,
+            device_id=torch.device("cpu"),
+            sync_module_states=True,
+            use_orig_params=False,
+        )
     assert model.cpu_offload == shardwrap.CPUOffload(offload_params=False)
     with pytest.raises(ValueError, match="_use_dtensor"):
         as_record(
