@@ -13,7 +13,7 @@ caller's thread only
   and the optimizer's state, giving the plan's key and the tensors the copy reads (the
   *roots*: each unit's flat shard, every other parameter and buffer, every tensor of
   optimizer state), fetched afresh, so a tensor the optimizer replaced is read as it is now;
-* compares the key with the plan's (a tuple comparison) and builds a new plan only when it
+* compares the key (a :class:`LayoutKey`) with the plan's and builds a new plan only when it
   differs: a first save, optimizer state that appeared or changed shape, dtype or address
   (``optimizer.load_state_dict``), another optimizer, a buffer replaced;
 * copies: one copy per *run* (a root's span holding its pieces, gaps under
@@ -59,7 +59,21 @@ def _params_in_order(optimizer: Any) -> tuple[nn.Parameter, ...]:
     return tuple(p for group in optimizer.param_groups for p in group["params"])
 
 
-def observe(model: nn.Module, optimizer: Any) -> tuple[tuple, list[torch.Tensor]]:
+@dataclass(frozen=True, slots=True)
+class LayoutKey:
+    """What a staging plan depends on: equal keys, the same plan (ids, never the objects:
+    a plan keeps no reference to the model, see :class:`StagingPlan`)."""
+
+    root: int  # id of the model's root
+    layouts: tuple[tuple[int, int], ...]  # per unit: (id of its handle, id of its layout)
+    plain: tuple[tuple[str, int], ...]  # state-dict entries no unit holds: (name, id)
+    optimizer: int  # id of the optimizer (id(None) without one)
+    groups: tuple[tuple[int, ...], ...]  # each param group's parameters: a regrouping differs
+    held: tuple[tuple[tuple[str, bool], ...], ...]  # per parameter: (state name, is tensor)
+    roots: tuple[tuple, ...]  # per root: (data_ptr, dtype, shape, contiguous, device)
+
+
+def observe(model: nn.Module, optimizer: Any) -> tuple[LayoutKey, list[torch.Tensor]]:
     """What a plan depends on (its key) and the tensors a staging copy reads, as of now."""
     root = root_of(model)
     handles = [u.handle for u in root.units if u.handle is not None]
@@ -86,8 +100,8 @@ def observe(model: nn.Module, optimizer: Any) -> tuple[tuple, list[torch.Tensor]
             held.append(tuple(names))
     shapes = tuple((r.data_ptr(), r.dtype, r.shape, r.is_contiguous(), r.device) for r in roots)
     layouts = tuple((id(h), id(h.layout)) for h in handles)
-    key = (id(root), layouts, tuple(plain), id(optimizer), groups, tuple(held))
-    return key + (shapes,), roots
+    key = LayoutKey(id(root), layouts, tuple(plain), id(optimizer), groups, tuple(held), shapes)
+    return key, roots
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +126,7 @@ class ValueSite:
 class StagingPlan:
     """One layout's staging: runs, the arena and its views, records, the fragment."""
 
-    def __init__(self, key: tuple) -> None:
+    def __init__(self, key: LayoutKey) -> None:
         # Nothing here may hold the model, its modules or its parameters: the model's saver
         # keeps the plan in a weak map keyed by the model (ckpt/async_save.py), and a value
         # that reached its key would keep both alive for good.
@@ -129,7 +143,7 @@ class StagingPlan:
         self.reusable = True  # False when ``unplanned`` is not empty
         self.on_accelerator = False  # some root lives on an accelerator
 
-    def fits(self, key: tuple) -> bool:
+    def fits(self, key: LayoutKey) -> bool:
         """Whether this plan stages the layout ``key`` describes."""
         return self.reusable and key == self.key
 
@@ -177,7 +191,7 @@ class StagingPlan:
 def build_plan(
     model: nn.Module,
     optimizer: Any,
-    key: tuple,
+    key: LayoutKey,
     roots: list[torch.Tensor],
     previous: StagingPlan | None,
     slots: ModelSlots,
