@@ -22,18 +22,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.dist import test_elastic_restart as elastic  # noqa: E402
 
-MEMORY = ["--memory-every", "1", "--save-every", "4"]
-CASES = {  # name: (the example's options, the fault, the tier resumed from)
-    "worker": (MEMORY, "kill", "memory"),
-    "agent": (MEMORY, "kill-agent", "memory"),
-    "hang": (["--collective-timeout", "5", "--save-every", "2"], "hang", "disk"),
+CASES = {  # name: (the fault, the tier resumed from), as tests/dist/test_elastic_restart.py
+    "worker": ("kill", "memory"),
+    "agent": ("kill-agent", "memory"),
+    "hang": ("hang", "disk"),
 }
 
 
 def run_case(name: str, folder: Path) -> tuple[float, int]:
-    options, fault, _ = CASES[name]
-    if "--memory-every" in options:
-        options = ["--memory-dir", str(folder / "shm"), *options]
+    fault, tier = CASES[name]
+    options = elastic.memory_options(folder) if tier == "memory" else elastic.HANG_OPTIONS
     elastic._elastic(folder, name, options, fault)
     return elastic._figures(folder, name)
 
@@ -53,7 +51,7 @@ def main() -> None:
                 figures.append(run_case(name, Path(tmp)))
         seconds = [s for s, _ in figures]
         lost = sorted({n for _, n in figures})
-        rows.append((name, CASES[name][2], seconds, lost))
+        rows.append((name, CASES[name][1], seconds, lost))
     print(f"\n{'fault':8s} {'from':7s} {'median s':>9s} {'min s':>7s} {'max s':>7s}  steps lost")
     for name, tier, seconds, lost in rows:
         print(

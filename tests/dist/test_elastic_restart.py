@@ -87,6 +87,14 @@ RUN_TIMEOUT_S = 240  # torch imports and two rendezvous on 2 loaded cores
 KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=5"
 RDZV_KEY = "torch.rendezvous."  # + the run id: the c10d backend's state in the store
 RDZV_EMPTY = b"Y2FuaW1hZGFt"  # the backend's "no state yet" value there
+# The example's options per case (benchmarks/bench_elastic.py runs the same cases).
+MEMORY_TIER = ["--memory-every", "1", "--save-every", "4"]  # + --memory-dir
+HANG_OPTIONS = ["--collective-timeout", "5", "--save-every", "2"]
+
+
+def memory_options(folder: Path) -> list[str]:
+    """The memory-tier cases' options, the tier in ``folder``/shm (standing in for /dev/shm)."""
+    return ["--memory-dir", str(folder / "shm"), *MEMORY_TIER]
 
 
 @dataclass(frozen=True)
@@ -257,8 +265,7 @@ def test_a_killed_worker_resumes_from_the_memory_tier_with_the_same_numbers(
     tmp_path: Path, reference: Path
 ) -> None:
     losses, records = _expected(reference)
-    memory = ["--memory-dir", str(tmp_path / "shm"), "--memory-every", "1", "--save-every", "4"]
-    logs = _elastic(tmp_path, "worker", memory, "kill")
+    logs = _elastic(tmp_path, "worker", memory_options(tmp_path), "kill")
     assert "took memory step 5" in logs, logs
     assert _losses(tmp_path / "worker.losses") == losses, logs
     found = _last_records(tmp_path / "worker.samples")
@@ -271,8 +278,7 @@ def test_a_lost_agent_leaves_the_survivor_going_on_alone_with_each_sample_once(
     tmp_path: Path, reference: Path
 ) -> None:
     losses, records = _expected(reference)
-    memory = ["--memory-dir", str(tmp_path / "shm"), "--memory-every", "1", "--save-every", "4"]
-    logs = _elastic(tmp_path, "agent", memory, "kill-agent")
+    logs = _elastic(tmp_path, "agent", memory_options(tmp_path), "kill-agent")
     assert "resumed at world size 1: took memory step 5" in logs, logs
     found = _last_records(tmp_path / "agent.samples")
     sizes = {s: r.world_size for s, r in found.items()}
@@ -295,8 +301,7 @@ def test_a_lost_agent_leaves_the_survivor_going_on_alone_with_each_sample_once(
 
 def test_a_hung_rank_is_a_named_error_and_the_run_resumes(tmp_path: Path, reference: Path) -> None:
     losses, records = _expected(reference)
-    options = ["--collective-timeout", "5", "--save-every", "2"]
-    logs = _elastic(tmp_path, "hang", options, "hang")
+    logs = _elastic(tmp_path, "hang", HANG_OPTIONS, "hang")
     assert "CollectiveTimeoutError: rank 0: collective #" in logs, logs
     assert "not every rank reached it within 5.0 s" in logs, logs
     assert "Ranks 1 failed to pass monitoredBarrier" in logs, logs
