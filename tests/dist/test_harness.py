@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import harness
+from tests.dist import fresh_ranks, harness, rank_process
 from tests.dist.harness import run_ranks
 
 _PROCESS = uuid.uuid4().hex  # made anew in every process that imports this module
@@ -90,6 +90,23 @@ def test_failure_surfaces_and_pool_is_replaced() -> None:
         run_ranks(_fail_on_rank_1, 2)
     after = run_ranks(_pid, 2)
     assert set(before).isdisjoint(after)
+
+
+def _exit_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(7)  # dies mid-test without a word, as a crash would
+    dist.barrier()
+
+
+def test_a_rank_that_dies_is_named_with_its_exit_code() -> None:
+    """Whichever the harness sees first, the closed pipe or the process's end, the error
+    names the rank and how it ended (a crash's signal, an out-of-memory kill)."""
+    with pytest.raises(
+        AssertionError,
+        match=r"(ranks \[1\] exited with codes \[7\])|"
+        r"(pipe closed \(it died\): it exited with code 7)",
+    ):
+        run_ranks(_exit_on_rank_1, 2)
 
 
 def test_hang_times_out_and_pool_is_replaced(monkeypatch) -> None:
@@ -177,25 +194,28 @@ def test_fresh_ranks_start_again_only_when_their_group_did_not_form(monkeypatch)
     attempts: list[str] = []
 
     def once(outcomes):
-        def fake(fn, world_size, args, ctx):
+        def fake(fn, world_size, args, ctx, limits):
             attempts.append("start")
             return outcomes[len(attempts) - 1]
 
         return fake
 
     formed = ({0: "a", 1: "b"}, [])
-    not_formed = ({}, [f"rank 1:\n{harness.RENDEZVOUS_FAILED}RuntimeError: connectFullMesh"])
-    monkeypatch.setattr(harness, "_run_fresh_once", once([not_formed, formed]))
-    assert harness._run_fresh(_pid, 2, (), None) == ["a", "b"]
+    not_formed = ({}, [f"rank 1:\n{rank_process.RENDEZVOUS_FAILED}RuntimeError: connectFullMesh"])
+    monkeypatch.setattr(fresh_ranks, "run_fresh_once", once([not_formed, formed]))
+    events: list[str] = []
+    limits = (harness.RANK_TIMEOUT_S, harness.DEATH_GRACE_S)
+    assert fresh_ranks.run_fresh(_pid, 2, (), None, limits, events) == ["a", "b"]
     assert len(attempts) == 2
+    assert events == [f"fresh ranks of {__name__}._pid: the group did not form; again"]
     attempts.clear()
     failed = ({}, ["rank 0:\nAssertionError: the test's own failure"])
-    monkeypatch.setattr(harness, "_run_fresh_once", once([failed, formed]))
+    monkeypatch.setattr(fresh_ranks, "run_fresh_once", once([failed, formed]))
     with pytest.raises(AssertionError, match="the test's own failure"):
-        harness._run_fresh(_pid, 2, (), None)
+        fresh_ranks.run_fresh(_pid, 2, (), None, limits, [])
     assert len(attempts) == 1
     attempts.clear()
-    monkeypatch.setattr(harness, "_run_fresh_once", once([not_formed] * 5))
+    monkeypatch.setattr(fresh_ranks, "run_fresh_once", once([not_formed] * 5))
     with pytest.raises(AssertionError, match="did not form"):
-        harness._run_fresh(_pid, 2, (), None)
-    assert len(attempts) == harness.RENDEZVOUS_ATTEMPTS
+        fresh_ranks.run_fresh(_pid, 2, (), None, limits, [])
+    assert len(attempts) == fresh_ranks.RENDEZVOUS_ATTEMPTS
