@@ -53,59 +53,62 @@ def _forget_torchtitan() -> None:
         del sys.modules[name]
 
 
-def _tiny_llama3_config(tied: bool):
-    """A llama3 config the way torchtitan's flavors build one, smaller: torchtitan's config
-    helpers and initialisers, SDPA inner attention. ``tied``: the embedding shares the
-    output projection's weight and is not initialised itself (its 1B and 3B flavors), else
-    each has its own (``debugmodel``, 8B and up)."""
+LINEAR_INIT = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+NORM_INIT = {"weight": nn.init.ones_}
+
+
+def _block_config(layer_id: int):
+    """One llama3 block as torchtitan's flavors configure it: fused-QKV grouped-query
+    attention with SDPA and complex RoPE, its FFN, depth-scaled output initialisers."""
     from torchtitan.models.common import (
         ComplexRoPE,
-        Embedding,
-        Linear,
         RMSNorm,
         ScaledDotProductAttention,
         compute_ffn_hidden_dim,
     )
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
-    from torchtitan.models.common.param_init import depth_scaled_std, skip_param_init
-    from torchtitan.models.llama3 import Llama3Model, Llama3TransformerBlock
+    from torchtitan.models.common.param_init import depth_scaled_std
+    from torchtitan.models.llama3 import Llama3TransformerBlock
 
-    linear_init = {
-        "weight": partial(nn.init.trunc_normal_, std=0.02),
-        "bias": nn.init.zeros_,
-    }
-    norm_init = {"weight": nn.init.ones_}
-    head_std = DIM**-0.5
     rope = ComplexRoPE.Config(
         dim=DIM // NUM_HEADS, max_seq_len=SEQ_LEN, theta=500000, scaling="llama"
     )
-    layers = []
-    for layer_id in range(NUM_LAYERS):
-        depth_init = {
-            "weight": partial(nn.init.trunc_normal_, std=depth_scaled_std(0.02, layer_id)),
-            "bias": nn.init.zeros_,
-        }
-        layers.append(
-            Llama3TransformerBlock.Config(
-                attention_norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm_init),
-                ffn_norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm_init),
-                attention=make_gqa_config(
-                    dim=DIM,
-                    n_heads=NUM_HEADS,
-                    wqkv_param_init=linear_init,
-                    wo_param_init=depth_init,
-                    inner_attention=ScaledDotProductAttention.Config(),
-                    fuse_qkv=True,
-                    rope=rope,
-                ),
-                feed_forward=make_ffn_config(
-                    dim=DIM,
-                    hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=64),
-                    w1_param_init=linear_init,
-                    w2w3_param_init=depth_init,
-                ),
-            )
-        )
+    depth_init = {
+        "weight": partial(nn.init.trunc_normal_, std=depth_scaled_std(0.02, layer_id)),
+        "bias": nn.init.zeros_,
+    }
+    return Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=DIM, param_init=NORM_INIT),
+        ffn_norm=RMSNorm.Config(normalized_shape=DIM, param_init=NORM_INIT),
+        attention=make_gqa_config(
+            dim=DIM,
+            n_heads=NUM_HEADS,
+            wqkv_param_init=LINEAR_INIT,
+            wo_param_init=depth_init,
+            inner_attention=ScaledDotProductAttention.Config(),
+            fuse_qkv=True,
+            rope=rope,
+        ),
+        feed_forward=make_ffn_config(
+            dim=DIM,
+            hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=64),
+            w1_param_init=LINEAR_INIT,
+            w2w3_param_init=depth_init,
+        ),
+    )
+
+
+def _tiny_llama3_config(tied: bool):
+    """A llama3 config the way torchtitan's flavors build one, smaller: torchtitan's config
+    helpers and initialisers, SDPA inner attention. ``tied``: the embedding shares the
+    output projection's weight and is not initialised itself (its 1B and 3B flavors), else
+    each has its own (``debugmodel``, 8B and up)."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.param_init import skip_param_init
+    from torchtitan.models.llama3 import Llama3Model
+
+    head_std = DIM**-0.5
+    head_init = partial(nn.init.trunc_normal_, std=head_std, a=-3 * head_std, b=3 * head_std)
     embedding_init = skip_param_init if tied else partial(nn.init.normal_, std=1.0)
     return Llama3Model.Config(
         dim=DIM,
@@ -114,18 +117,13 @@ def _tiny_llama3_config(tied: bool):
         tok_embeddings=Embedding.Config(
             num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": embedding_init}
         ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm_init),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=NORM_INIT),
         lm_head=Linear.Config(
             in_features=DIM,
             out_features=VOCAB,
-            param_init={
-                "weight": partial(
-                    nn.init.trunc_normal_, std=head_std, a=-3 * head_std, b=3 * head_std
-                ),
-                "bias": nn.init.zeros_,
-            },
+            param_init={"weight": head_init, "bias": nn.init.zeros_},
         ),
-        layers=layers,
+        layers=[_block_config(layer_id) for layer_id in range(NUM_LAYERS)],
     )
 
 
