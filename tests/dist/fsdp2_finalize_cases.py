@@ -8,6 +8,8 @@ record), its step written several ways (:data:`STEPS`); each run returns the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -237,19 +239,34 @@ def misuse(rank: int, world_size: int, side: str) -> dict[str, str]:
     attempt("finalize_before_wait", lambda: model.finalize_backward())
     handle.wait()
     attempt("twice", lambda: model.finalize_backward())
-    attempt("during_backward", lambda: _backward_calling(model, rank))
+    attempt("during_backward", lambda: _backward_calling(model, rank, model.finalize_backward))
+    model.reset_iter_state()
+    unset = functools.partial(model.set_manual_backward_finalization, False)
+    attempt("set_during_backward", lambda: _backward_calling(model, rank, unset))
     model.reset_iter_state()
     attempt("off_the_root", lambda: model.blocks[0].finalize_backward())
     stale = model.finalize_backward(async_op=True)
     model.reset_iter_state()
     attempt("handle_after_reset", stale.wait)
+    if side == "shardwrap":  # torch's raises at the first forward instead
+        attempt("set_on_a_root_adopted_later", lambda: _adopted(world_size))
     return found
 
 
-def _backward_calling(model: nn.Module, rank: int) -> None:
+def _adopted(world_size: int) -> None:
+    """Manual finalization set on a block while it was a root, then the model sharded."""
+    model = fc.TinyModel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        shardwrap.fully_shard(block, mesh=mesh)
+    model.blocks[0].set_manual_backward_finalization(True)
+    shardwrap.fully_shard(model, mesh=mesh)
+
+
+def _backward_calling(model: nn.Module, rank: int, call) -> None:
     """A backward during which a hook on the model's output (run after FSDP's own, which
-    starts the backward) calls ``finalize_backward``."""
+    starts the backward) calls ``call()``."""
     idx, target = fc.batch(0, rank)
     out = model(idx)
-    out.register_hook(lambda grad: model.finalize_backward())
+    out.register_hook(lambda grad: call())
     F.cross_entropy(out.reshape(-1, fc.OUT), target.reshape(-1)).backward()

@@ -132,14 +132,25 @@ MISUSE = {
     "twice": "accepted",
     "during_backward": "RuntimeError: FSDP finalize_backward must be called after backward "
     "completes",
+    "set_during_backward": "RuntimeError: set_manual_backward_finalization cannot change "
+    "mode during backward",
     "off_the_root": "RuntimeError: finalize_backward must be called on the root FSDP module",
     "handle_after_reset": "RuntimeError: This gradient reduction handle was invalidated",
 }
 
 
+# The door's own: a type check, and the setting refused when a later call adopts the root
+# it was set on (FSDP2 raises at the first forward).
+DOOR_ONLY = {
+    "enabled_not_bool": "TypeError: enabled: expected a bool, got 1",
+    "set_on_a_root_adopted_later": "RuntimeError: set_manual_backward_finalization must be "
+    "called on the root FSDP module",
+}
+
+
 def test_misuse_gets_fsdp2s_errors():
     for found in run_ranks(fz.misuse, 2, "shardwrap"):
-        assert found == {**MISUSE, "enabled_not_bool": "TypeError: enabled: expected a bool, got 1"}
+        assert found == {**MISUSE, **DOOR_ONLY}
 
 
 @needs_torch_manual
