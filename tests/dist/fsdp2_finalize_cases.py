@@ -123,17 +123,24 @@ SIDES = {
 }
 
 
-def run(side: str, rank: int, world_size: int, step_name: str, keep: bool = False):
+def run(
+    side: str,
+    rank: int,
+    world_size: int,
+    step_name: str,
+    keep: bool = False,
+    blocks_reshard: bool = True,
+):
     """The script on ``SIDES[side]`` as its ``fully_shard``, each step
     ``STEPS[step_name]`` (manual finalization on for those in :data:`MANUAL`); ``keep``:
-    ``set_keep_unsharded_storage(True)`` on the root. The record, and what
-    :class:`_FullStorage` saw."""
+    ``set_keep_unsharded_storage(True)`` on the root; ``blocks_reshard``: the blocks'
+    ``reshard_after_forward``. The record, and what :class:`_FullStorage` saw."""
     shard = SIDES[side]
     torch.manual_seed(0)
     model = fc.TinyModel()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     for block in model.blocks:
-        shard(block, mesh=mesh)
+        shard(block, mesh=mesh, reshard_after_forward=blocks_reshard)
     shard(model, mesh=mesh)
     if step_name in MANUAL:
         model.set_manual_backward_finalization(True)

@@ -6,7 +6,8 @@ Where this torch's FSDP2 has the methods (2.15 on), each manual step equals torc
 the same step: one backward then ``finalize_backward()``; two backwards without gradient
 sync, then ``finalize_backward(async_op=True).wait()`` with sync back on; two synchronising
 backwards then one ``finalize_backward()`` (the root, which autograd does not reach, is
-reduced once, at the finalization); and manual finalization never finalized. On every
+reduced once, at the finalization), also with the blocks' ``reshard_after_forward=False``;
+and manual finalization never finalized. On every
 torch, the first two equal torch's FSDP2 ending each step itself (the same gradients, summed
 in the same order), and ``set_keep_unsharded_storage(True)`` changes no number while a
 block's gathered weight keeps its storage and data pointer from step to step (under torch
@@ -51,10 +52,11 @@ def _pairs() -> dict[str, tuple]:
     pairs["never finalized"] = (("torch", "single", False), ("shardwrap", "never_finalized", False))
     torch_keeps = TORCH_HAS_MANUAL  # set_keep_unsharded_storage came with 2.15 too
     pairs["keep"] = (("torch", "single", torch_keeps), ("shardwrap", "single", True))
-    pairs["not kept"] = (("torch", "single", False), ("shardwrap", "single", False))
     if TORCH_HAS_MANUAL:
         for step in MANUAL_STEPS:
             pairs[f"torch {step}"] = (("torch", step, False), ("shardwrap", step, False))
+        kept = ("synced_finalized", False, False)  # the blocks kept gathered after forward
+        pairs["torch blocks kept gathered"] = (("torch", *kept), ("shardwrap", *kept))
         pairs["undeferred"] = (
             ("torch", "synced_finalized", False),
             ("undeferred", "synced_finalized", False),
@@ -71,9 +73,11 @@ def _runs() -> dict[str, list[dict]]:
 
 
 @needs_torch_manual
-@pytest.mark.parametrize("step", MANUAL_STEPS)
-def test_manual_finalization_equals_torch_fsdp2s(step):
-    for rank, found in enumerate(_runs()[f"torch {step}"]):
+@pytest.mark.parametrize("case", [*MANUAL_STEPS, "blocks kept gathered"])
+def test_manual_finalization_equals_torch_fsdp2s(case):
+    """Each manual step (and two syncing backwards with the blocks'
+    ``reshard_after_forward=False``) equals torch's FSDP2 bit for bit."""
+    for rank, found in enumerate(_runs()[f"torch {case}"]):
         assert found.get("differences") == [], f"rank {rank}: {found}"
 
 
@@ -110,8 +114,8 @@ def test_kept_unsharded_storage_changes_no_number_and_keeps_its_address():
 
 
 def test_negative_control_without_keeping_the_storage_is_freed_every_step():
-    for found in _runs()["not kept"]:
-        assert found["differences"] == [], found
+    """Both sides' runs without the flag (one backward, finalized manually or not)."""
+    for found in _runs()["automatic single_finalized"]:
         for storage in found["storage"].values():
             assert storage["sizes"] == [0] * NUM_STEPS, storage
 
