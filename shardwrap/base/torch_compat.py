@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "fsdp2_reduces_in_param_dtype_by_default",
+    "in_backward",
     "preserve_version_counter",
     "queue_backward_callback",
     "storage_use_count",
@@ -43,6 +44,12 @@ def preserve_version_counter(tensor: torch.Tensor) -> Any:
     writes as modifications of tensors it saved.
     """
     return torch.autograd._unsafe_preserve_version_counter(tensor)
+
+
+def in_backward() -> bool:
+    """Whether this thread is inside an autograd backward pass now (FSDP2 refuses to
+    change its backward finalization mode there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

@@ -66,6 +66,9 @@ class Unit:
         # reshard_after_forward, as one with grad does; False: it frees ([Note: a forward
         # without grad on the FSDP2 door] in runtime/free_rule.py).
         self.no_grad_follows_reshard_setting = False
+        # True: the gathered buffer is never freed, only the shard shown (FSDP2's
+        # set_keep_unsharded_storage: the full views keep their storage and data pointers).
+        self.keeps_full_storage = False
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {self.state.name})"
@@ -97,6 +100,10 @@ class Unit:
     def set_unshard_in_backward(self, unshard: bool) -> None:
         """Whether backward gathers the unit (``set_unshard_in_backward``)."""
         self.unshard_in_backward = unshard
+
+    def set_keeps_full_storage(self, keep: bool) -> None:
+        """Whether a release keeps the gathered buffer (``set_keep_unsharded_storage``)."""
+        self.keeps_full_storage = keep
 
     def enter_forward(self) -> None:
         """A forward of this unit starts (possibly inside another one of its own)."""

@@ -13,10 +13,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from .forward_method import register_fsdp_forward_method
 from .fully_shard import fully_shard
-from .module import FSDPModule, UnshardHandle
+from .module import FSDPModule, GradientReductionHandle, UnshardHandle
 
 __all__ = [
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",

@@ -194,6 +194,10 @@ def _release_nested(module: nn.Module) -> list[ShardRoot]:
         if sub is not module and state is not None and state.root is not None:
             nested[id(state)] = state
     roots = [state.root for state in nested.values() if state.root is not None]
+    if any(root.runtime.manual.enabled for root in roots):  # the setting would be lost
+        raise RuntimeError(
+            "set_manual_backward_finalization must be called on the root FSDP module"
+        )
     for state in nested.values():
         state.root_hook.remove()
         state.root, state.root_hook = None, None

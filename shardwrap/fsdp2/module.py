@@ -19,6 +19,7 @@ from torch import nn
 from ..base.torch_compat import fsdp2_reset_drops_gradients
 from ..base.validate import check_bool
 from ..core.unit import Unit
+from ..runtime.manual_finalization import PendingReduction
 from .meta_init import apply_to_shards, hide_shards
 from .replicas import set_all_reduce, set_force_sum, set_hook
 from .state import runtime_for, state_of
@@ -35,6 +36,23 @@ class UnshardHandle:
     def wait(self) -> None:
         """Wait for the all-gather and show the full parameters on the module."""
         runtime_for(self._module).unshard_unit(_unit(self._module))
+
+
+class GradientReductionHandle:
+    """What ``finalize_backward(async_op=True)`` returns: ``wait()`` waits for the
+    reductions it issued, assigns the gradients and ends the step."""
+
+    def __init__(self, module: nn.Module | None, pending: PendingReduction | None) -> None:
+        self._module = module  # None: nothing to wait for (before the first forward)
+        self._pending = pending
+
+    def wait(self) -> None:
+        """Wait for the gradient reduction and end the step (once; later calls do nothing).
+        Raises ``RuntimeError`` after ``reset_iter_state`` invalidated it, as FSDP2's."""
+        module, pending = self._module, self._pending
+        if module is not None and pending is not None:
+            runtime_for(module).finish_finalize(pending)
+            self._module = self._pending = None
 
 
 def _unit(module: nn.Module) -> Unit:
@@ -212,6 +230,41 @@ class FSDPModule:
         drop = fsdp2_reset_drops_gradients()  # as this torch's FSDP2 does
         runtime_for(self).reset_iter_state(drop_grads=drop)  # type: ignore[arg-type]
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root: whether the caller ends each step with :meth:`finalize_backward`
+        after its last backward, instead of every backward's end ending it ([Note: manual
+        backward finalization] in runtime/manual_finalization.py). Set it before the step's
+        first backward; it cannot change until the step ends."""
+        value = check_bool("enabled", enabled)
+        _root_runtime(self, "set_manual_backward_finalization").manual.set_enabled(value)
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """On the root, under manual finalization, after the step's last backward: reduce
+        the gradients still local, wait, assign ``.grad`` and end the step; with
+        ``async_op``, only issue the reductions and return a handle whose ``wait()`` does
+        the rest (before any forward or further finalization)."""
+        wait = not check_bool("async_op", async_op)
+        runtime = runtime_for(self)  # type: ignore[arg-type]
+        if not runtime.has_run_forward:  # FSDP2: a no-op before the first forward
+            return None if wait else GradientReductionHandle(None, None)
+        runtime.manual.check_no_pending("finalizing backward again")
+        pending = _root_runtime(self, "finalize_backward").start_finalize()
+        if wait:
+            runtime.finish_finalize(pending)
+            return None
+        return GradientReductionHandle(self, pending)  # type: ignore[arg-type]
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Whether this module's unit (and, with ``recurse``, every unit below) keeps its
+        gathered parameters' storage when it reshards: the full parameters keep their data
+        pointers from one gather to the next, at the cost of their memory."""
+        value = check_bool("keep", keep)
+        modules = self.modules() if check_bool("recurse", recurse) else [self]  # type: ignore[attr-defined]
+        for module in modules:
+            state = state_of(module)
+            if state is not None:
+                state.unit.set_keeps_full_storage(value)
+
     _comms = "shardwrap's communicators own the collectives and their buffers"
     set_custom_all_gather = _refused("set_custom_all_gather", _comms)
     set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", _comms)
@@ -225,17 +278,14 @@ class FSDPModule:
         "set_reduce_scatter_unused_params",
         "a parameter without a gradient on every rank gets none (shardwrap's presence vote)",
     )
-    # torch 2.15's additions
-    _finalize = (
-        "the end of backward runs from torch's autograd callback, as FSDP2's default; for "
-        "backwards that do not end a step use set_is_last_backward(False) (and "
-        "set_requires_gradient_sync(False) to accumulate unreduced)"
-    )
-    set_manual_backward_finalization = _refused("set_manual_backward_finalization", _finalize)
-    finalize_backward = _refused("finalize_backward", _finalize)
-    set_keep_unsharded_storage = _refused(
-        "set_keep_unsharded_storage", "use set_reshard_after_forward/after_backward(False)"
-    )
+
+
+def _root_runtime(module: Any, method: str):
+    """The runtime of ``module``, which must be the root (FSDP2's error otherwise)."""
+    state = state_of(module)
+    if state is not None and state.root is None:
+        raise RuntimeError(f"{method} must be called on the root FSDP module")
+    return runtime_for(module)
 
 
 def _whole_root(module: Any, method: str, recurse: object):

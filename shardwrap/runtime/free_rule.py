@@ -24,6 +24,10 @@ What a unit gives up, and when, is one function (:func:`release_rule`), by momen
 
 The step runtime (runtime/step.py) asks at each moment and does what the answer says.
 
+A unit told to keep its gathered storage (``Unit.keeps_full_storage``, FSDP2's
+``set_keep_unsharded_storage``) shows its shard wherever it would free: the buffer, and so
+the full views' storage and data pointers, stay from gather to gather.
+
 [Note: a forward without grad on the FSDP2 door]
 An evaluation forward (under ``torch.no_grad()``) frees every unit on the FSDP1 and
 DeepSpeed doors: no backward will follow. FSDP2 releases each unit by its
@@ -78,6 +82,30 @@ def release_rule(
     gathered after forward; ``landed``: the end of backward just waited for a gather
     nobody used; ``last_backward``/``reshard_after_backward``: [Note: microbatched steps].
     """
+    release = _release(
+        moment,
+        unit,
+        last_backward=last_backward,
+        reshard_after_backward=reshard_after_backward,
+        training=training,
+        kept=kept,
+        landed=landed,
+    )
+    if release is Release.FREE and unit.keeps_full_storage:
+        return Release.SHOW_SHARD
+    return release
+
+
+def _release(
+    moment: Moment,
+    unit: Unit,
+    *,
+    last_backward: bool,
+    reshard_after_backward: bool,
+    training: bool,
+    kept: bool,
+    landed: bool,
+) -> Release:
     handle = unit.handle
     if handle is None:
         return Release.KEEP

@@ -1,7 +1,8 @@
 """One root's step: every moment of a unit's step, the end of backward, the presence vote.
 
 A unit passes, in order, through ``StepRuntime.pre_forward``, ``post_forward``,
-``pre_backward``, ``post_backward`` and, once per backward, ``finalize_backward``; the
+``pre_backward``, ``post_backward`` and, once per backward, ``finalize_backward`` (which
+ends the step, unless the caller finalizes it: runtime/manual_finalization.py); the
 optimizer step through core/optimizer_step.py (docs/architecture.md lists what each
 calls). This module is the only caller of ``unshard``/``reshard``; the schedule answers
 what to prefetch, what stays gathered and when to wait for reductions, and ``Unit``
@@ -88,6 +89,7 @@ from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle
 from .free_rule import Moment, Release, release_rule
 from .gather_bucket import FusedGather
+from .manual_finalization import ManualFinalization, PendingReduction
 from .presence import NUM_DIGEST_WORDS, PresenceVote, run_entries, start_vote
 from .schedule import Prefetch, Schedule
 
@@ -131,6 +133,9 @@ class StepRuntime:
         # Units run (names, in order) since the last presence vote checked them.
         self.units_run: list[str] = []
         self._finalize_queued = False
+        # [Note: manual backward finalization] in runtime/manual_finalization.py
+        self.manual = ManualFinalization()
+        self.has_run_forward = False  # the root ran a forward (FSDP2: lazily initialised)
         # An event the next forward's gathers wait for, then dropped ([Note: the post-optimizer
         # event]); None: they follow the current stream's work, as every collective does.
         self.post_optim_event: torch.Event | None = None
@@ -153,6 +158,8 @@ class StepRuntime:
     def begin_forward(self) -> None:
         """Called by the root before each forward: wait for a post-optimizer event, start
         a fresh execution order."""
+        self.manual.check_no_pending("forward")
+        self.has_run_forward = True
         event, self.post_optim_event = self.post_optim_event, None
         if event is not None:  # before any gather of this forward
             event.wait()
@@ -223,31 +230,76 @@ class StepRuntime:
     def queue_finalize(self) -> None:
         if not self._finalize_queued:
             self._finalize_queued = True
+            self.manual.begin_backward()
             queue_backward_callback(self.finalize_backward)
 
     def finalize_backward(self) -> None:
-        """End of backward: reduce the units autograd did not reach, then vote on presence."""
+        """End of backward (autograd's callback): the step's end, or, under manual
+        finalization, this backward's ([Note: manual backward finalization])."""
         self._finalize_queued = False
+        if self.manual.active:
+            self._end_backward(last=False, manual=True)
+        else:
+            self._end_backward(last=self.is_last_backward)
+
+    def _end_backward(self, *, last: bool, manual: bool = False) -> None:
+        """Reduce the units autograd did not reach (``manual``: leave them waiting while
+        synchronising), vote on presence, settle; ``last``: the step ends."""
         self.units_run.extend(u.name for u in self.execution_order)
         self._update_deferred_pending()
         for unit in reversed(self.execution_order):
-            if unit.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+            if unit.state not in (TrainingState.FORWARD, TrainingState.BACKWARD):
+                continue
+            if manual and self.sync_grads:
+                self.manual.wait_for(unit)  # gathered, its gradients local, until finalized
+            else:
                 self.post_backward(unit)
         vote = None
         if self.sync_grads:
-            self._check_late_grads(self.units)
+            self._check_late_grads([u for u in self.units if u not in self.manual.waiting])
             # Every flag is known once the last reduction is issued: the vote goes out now
             # and its round trip overlaps the wait for the reductions still in flight.
             vote = self.start_vote(self.units)
-        order = self._order_for_end()
-        for unit in self.schedule.end_step(order, last=self.is_last_backward):
-            self._settle(unit)
+        order = self._order_for_end(last)
+        for unit in self.schedule.end_step(order, last=last):
+            self._settle(unit, last)
         agreed = vote.finish() if vote is not None else True
         for unit in self.units:
             unit.end_step()
         self.execution_order.clear()
+        if last:
+            self.manual.end_step()
         if not agreed:
             self.report_disagreement()
+
+    def start_finalize(self) -> PendingReduction:
+        """FSDP2's ``finalize_backward``: issue the reductions of the units waiting for it;
+        :meth:`finish_finalize` ends the step ([Note: manual backward finalization])."""
+        self.manual.check_finalize(
+            backward_running=self._finalize_queued,
+            kept_partial=_first_name(u for u in self.units if _keeps_partial(u)),
+            no_all_reduce=_first_name(
+                u for u in self.manual.waiting if self.sync_grads and _skips_all_reduce(u)
+            ),
+        )
+        ends_step = self.manual.active is not None or bool(self.manual.waiting)
+        waiting = self.manual.take_waiting(sync=self.sync_grads)
+        handles = [u.handle for u in waiting if u.handle and u.handle.has_trainable_params]
+        for index, handle in enumerate(handles):
+            self.schedule.start_reduce(handle, handles[index + 1 :])
+        for unit in waiting if self.reshard_after_backward else ():
+            self._release_at(Moment.POST_BACKWARD, unit)
+        pending = PendingReduction(ends_step=ends_step)
+        self.manual.pending = pending
+        return pending
+
+    def finish_finalize(self, pending: PendingReduction) -> None:
+        """Wait for what :meth:`start_finalize` issued, assign ``.grad``, end the step."""
+        if self.manual.pending is not pending:
+            raise RuntimeError("This gradient reduction handle was invalidated")
+        self.manual.pending = None
+        if pending.ends_step:
+            self._end_backward(last=True)
 
     def post_backward(self, unit: Unit) -> None:
         """Reduce ``unit``'s gradients (unless under ``no_sync``) and reshard it.
@@ -261,6 +313,9 @@ class StepRuntime:
         # reduce on any rank (see [Note: frozen units]).
         if self.sync_grads and unit.handle is not None and unit.handle.has_trainable_params:
             self.schedule.reduce_after_backward(unit, self.execution_order)
+            self.manual.reduced(unit)
+        elif self.manual.active and not self.sync_grads:  # a later finalize_backward reduces
+            self.manual.wait_for(unit)
         self._release_at(Moment.POST_BACKWARD, unit)
         unit.finish_backward()
         self._prefetch_all(
@@ -293,6 +348,7 @@ class StepRuntime:
         self.execution_order.clear()
         self._step_order = []
         self._finalize_queued = False
+        self.manual.reset()
 
     # ------------------------------------------------------------ gathers ahead
     def _prefetch_all(self, plan: list[Prefetch]) -> None:
@@ -312,36 +368,34 @@ class StepRuntime:
         if len(members) > 1:
             FusedGather(members)  # every member now has its gather in flight
 
-    def _settle(self, unit: Unit) -> None:
+    def _settle(self, unit: Unit, last: bool) -> None:
         """End of backward: land a gather nobody waited for (a prefetch or a bucket's), then
-        release ``unit`` by the free rule."""
+        release ``unit`` by the free rule; ``last``: the step ends."""
         landed = unit.handle is not None and unit.handle.gather_in_flight
         if landed:
             unit.handle.unshard()  # type: ignore[union-attr]
-        self._release_at(Moment.END_OF_BACKWARD, unit, landed=landed)
+        self._release_at(Moment.END_OF_BACKWARD, unit, landed=landed, last_backward=last)
 
     def _release_at(self, moment: Moment, unit: Unit, **facts: bool) -> None:
         """Give up what the free rule says ``unit`` gives up at ``moment``; the one place
-        that reshards or drops a kept shard's pages."""
+        that reshards or drops a kept shard's pages. ``facts`` may say ``last_backward``
+        (default: :attr:`is_last_backward`)."""
+        facts.setdefault("last_backward", self.is_last_backward)
         release = release_rule(
-            moment,
-            unit,
-            last_backward=self.is_last_backward,
-            reshard_after_backward=self.reshard_after_backward,
-            **facts,
+            moment, unit, reshard_after_backward=self.reshard_after_backward, **facts
         )
         if release is Release.PAGES:
             release_resident(unit.handle.flat_shard)  # type: ignore[union-attr]
         elif release is not Release.KEEP:
             unit.handle.reshard(free=release is Release.FREE)  # type: ignore[union-attr]
 
-    def _order_for_end(self) -> list[Unit]:
-        """The forward order this backward's end hands the schedule.
+    def _order_for_end(self, last: bool) -> list[Unit]:
+        """The forward order this backward's end hands the schedule (``last``: the step's).
 
         See [Note: microbatched steps]: later backwards of a step record units in backward
         order, so the step's first order is kept for its last backward.
         """
-        if not self.is_last_backward:
+        if not last:
             self._step_order = self._step_order or list(self.execution_order)
             return self.execution_order
         order, self._step_order = self._step_order or self.execution_order, []
@@ -455,6 +509,26 @@ class StepRuntime:
             yield
         finally:
             self.sync_grads = previous
+
+
+def _keeps_partial(unit: Unit) -> bool:
+    """An HSDP unit holding a reduce-scatter sum whose all-reduce was skipped."""
+    return unit.handle is not None and unit.handle.grads.replicas.kept is not None
+
+
+def _skips_all_reduce(unit: Unit) -> bool:
+    """An HSDP unit told not to all-reduce (``set_requires_all_reduce(False)``)."""
+    handle = unit.handle
+    return (
+        handle is not None
+        and handle.grads.replicate_comm is not None
+        and not handle.grads.replicas.all_reduce_grads
+    )
+
+
+def _first_name(units) -> str | None:
+    """The first of ``units``' names (the root's as FSDP2 names it), or None."""
+    return next((unit.name or "<root>" for unit in units), None)
 
 
 def _flush_deferred(runtime: StepRuntime, optimizer, args, kwargs) -> None:

@@ -116,3 +116,21 @@ def test_end_of_backward_frees_what_a_bucket_gathered_for_nothing() -> None:
         release_rule(Moment.END_OF_BACKWARD, make_unit("SHARD_OPTIM", full_bytes=64), **FLAGS)
         is Release.KEEP
     )
+
+
+@pytest.mark.parametrize(
+    ("moment", "facts"),
+    [
+        (Moment.POST_FORWARD, {}),
+        (Moment.POST_BACKWARD, {}),
+        (Moment.USER_CALL, {}),
+        (Moment.END_OF_BACKWARD, {"landed": True}),
+    ],
+)
+def test_a_unit_keeping_its_storage_shows_its_shard_where_it_would_free(moment, facts) -> None:
+    """FSDP2's ``set_keep_unsharded_storage(True)``: the same moments release, the buffer
+    stays (the FREE row first, so the test is not vacuous)."""
+    unit = make_unit("FULL_SHARD", full_bytes=4)
+    assert release_rule(moment, unit, **FLAGS, **facts) is Release.FREE
+    unit.set_keeps_full_storage(True)
+    assert release_rule(moment, unit, **FLAGS, **facts) is Release.SHOW_SHARD

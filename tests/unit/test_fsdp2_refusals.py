@@ -144,6 +144,8 @@ REFUSED = [
         "set_unshard_in_backward",
         "set_post_optim_event",
         "reset_iter_state",
+        "set_manual_backward_finalization",
+        "set_keep_unsharded_storage",
     )
 ]
 
