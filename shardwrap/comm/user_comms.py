@@ -23,7 +23,9 @@ all-reduce stays the engine's, as FSDP2's stays its own), with these differences
 * both are passed ``async_op=True``: the engine issues them ahead and waits on the
   returned ``Work`` when it needs the result (``None``: done when the call returned).
 
-The object is the user's code: it may call ``torch.distributed`` itself. Each call is
+Only those two use the objects: state dicts and DTensor's ``full_tensor()`` do not, as
+under FSDP2. The object is the user's
+code: it may call ``torch.distributed`` itself. Each call is
 recorded in the ledger as the collective it stands for (kind, purpose, the full buffer's
 bytes), checked first by a collective checker when one is set, as any other; what the
 object actually moves over the wire is its own business.

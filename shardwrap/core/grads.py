@@ -180,10 +180,9 @@ class UnitGrads:
             return
         if user is not None and self.shard_comm.size > 1:  # [Note: user communicators]
             numels = (self.flat_grad_numel, self.grad_slots.chunk_numel)
-            work, reduced, flat_grad = user_comms.reduce_scatter_grads(
-                self.shard_comm, user, self.take_local_grads, numels, self.reduce_dtype,
-                self.compute_device, unit=self.comm_label,
-            )  # fmt: skip
+            dtype, device = self.reduce_dtype, self.compute_device
+            args = (self.shard_comm, user, self.take_local_grads, numels, dtype, device)
+            work, reduced, flat_grad = user_comms.reduce_scatter_grads(*args, unit=self.comm_label)
             self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
             return
         out = None

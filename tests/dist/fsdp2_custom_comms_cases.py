@@ -205,3 +205,47 @@ def hsdp_custom_comms(rank: int, world_size: int) -> dict:
         }
     found["ours"]["differences"] = hc.differences(records["torch"], records["ours"])
     return found
+
+
+class KeepingGather(RecordingComm):
+    """Gathers synchronously and keeps a copy of what it gathered (the first three)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.outputs: list[torch.Tensor] = []
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+        super().__call__(output_tensor, input_tensor, group)
+        if len(self.outputs) < 3:
+            self.outputs.append(output_tensor.clone())
+
+
+def gathered_outputs(rank: int, world_size: int) -> list[dict]:
+    """The first forward's three gathers (root, block 0, block 1), torch's FSDP2's output
+    against the door's: equal in size, in rank 0's part, and as sorted values."""
+    outputs = {}
+    for name, shard in (("torch", torch_fsdp.fully_shard), ("ours", shardwrap.fully_shard)):
+        dist.barrier()
+        run = WithComms(shard, "recording", "recording")
+        run.gather = KeepingGather("all_gather")
+        torch.manual_seed(0)
+        model = fc.TinyModel()
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            run(block, mesh=mesh)
+        run(model, mesh=mesh)
+        with torch.no_grad():
+            model(fc.batch(0, rank)[0])
+        outputs[name] = run.gather.outputs
+    found = []
+    for theirs, ours in zip(outputs["torch"], outputs["ours"], strict=True):
+        first = theirs.numel() // world_size
+        found.append(
+            {
+                "sizes": theirs.numel() == ours.numel(),
+                "rank_0_part": torch.equal(theirs[:first], ours[:first]),
+                "whole": torch.equal(theirs, ours),
+                "values": torch.equal(theirs.sort().values, ours.sort().values),
+            }
+        )
+    return found

@@ -105,3 +105,13 @@ def test_where_a_unit_cannot_use_the_object_it_is_refused_by_name():
         assert gather.startswith("FSDPModule.set_custom_all_gather is not yet supported"), gather
         assert "reshard_after_forward is an int" in gather
         assert found["reshard_int", "set_custom_reduce_scatter"] == "accepted"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gather_object_is_handed_fsdp2s_sizes_and_values_in_the_doors_order(world_size):
+    """What the docs say it gets: the same buffer sizes and values as under FSDP2 and rank
+    0's part in FSDP2's order; the other ranks' parts differ in order (the padding at the
+    shard's end, not after each short chunk), which the whole-buffer comparison shows."""
+    for found in run_ranks(cc.gathered_outputs, world_size):
+        expected = {"sizes": True, "rank_0_part": True, "whole": False, "values": True}
+        assert found == [expected] * 3, found
