@@ -54,6 +54,7 @@ from torch import nn
 from .base.pages import release_resident
 from .base.torch_compat import preserve_version_counter
 from .comm.collectives import ROOT_LABEL, Communicator
+from .comm.user_comms import UserComms, gather_params
 from .core.chunk_copy import copy_out, landing_for, place_gathered, take_shard
 from .core.comm_quant import UnitCommQuant
 from .core.grads import UnitGrads
@@ -140,6 +141,7 @@ class FlatParamHandle:
         self.has_trainable_params = any(self.wrapped_requires_grad)
         self.grads = self._make_grads()
         self.comm_quant: UnitCommQuant | None = None  # ZeRO++ ([Note: ZeRO++ in a unit])
+        self.user_comms = UserComms()  # FSDP2's set_custom_*: [Note: user communicators]
         self._to_sharded(free=True)  # a handle starts sharded, its gathered buffer freed
 
     def _place_tensors(
@@ -282,6 +284,15 @@ class FlatParamHandle:
         self._allocate_full()
         shard, staged = self.gather_source()
         guard = preserve_version_counter(self.flat_full)
+        user = self.user_comms.all_gather if self.shard_comm.size > 1 else None
+        if user is not None:  # [Note: user communicators] in comm/user_comms.py
+            with guard:
+                numel = self.layout.gathered_numel
+                work, landing = gather_params(
+                    self.shard_comm, user, shard, numel, unit=self.comm_label
+                )
+            self._pending = PendingGather(work, version, guard, shard, staged, landing)
+            return
         landing = landing_for(self.layout, self.flat_full)  # None: they land in flat_full
         target = self.flat_full if landing is None else landing
         with guard:

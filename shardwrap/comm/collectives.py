@@ -225,6 +225,13 @@ class Communicator:
         self.broadcast(data, src_rank=src_rank, purpose=purpose).wait()
         return pickle.loads(data.numpy().tobytes())  # noqa: S301 - from our own ranks
 
+    def run_user(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str, call):
+        """Check (debug) and record ``kind`` over ``tensor``, then ``call()``, a user's object
+        ([Note: user communicators] in user_comms.py); its work (None: done) as a waitable."""
+        start = self._record(kind, purpose, tensor, unit)
+        work = call()
+        return self._timed(_DoneWork() if work is None else work, start)
+
     def _pairwise(self, tensor: torch.Tensor) -> bool:
         """Whether to run an all-gather or reduce-scatter as pairwise exchanges.
 

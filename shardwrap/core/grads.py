@@ -34,7 +34,7 @@ from torch import nn
 
 from ..base.pages import release_resident
 from ..base.quantize import BlockCodec
-from ..comm import quantized
+from ..comm import quantized, user_comms
 from ..comm.collectives import Communicator
 from ..layout.flat import FlatLayout
 from ..layout.grad_slots import GradSlots, chunk_split
@@ -163,19 +163,27 @@ class UnitGrads:
         replicas = self.replicate_comm.size if self.replicate_comm is not None else 1
         return self.num_shards * replicas
 
-    def start_reduce_grads(self, scratch: ScratchPool | None = None) -> None:
+    def start_reduce_grads(self, scratch: ScratchPool | None = None, user: Any = None) -> None:
         """Issue the gradient reduction without waiting; :meth:`finish_reduce_grads` ends it.
 
         Parameters without a local gradient contribute zeros; whether they get a gradient
         at all is decided by the presence vote (:meth:`assign_grads`).
 
         ``scratch``: where a sharded unit's flat gradient (the reduce-scatter's input) comes
-        from; a new buffer when None.
+        from; a new buffer when None. ``user``: a user's reduce-scatter object, which
+        allocates both buffers (comm/user_comms.py).
         """
         if self.reduces_in_place:  # the all-reduce is the first (and only) stage
             flat_grad = self.take_local_grads(self._dp_grad_buffer())
             work = self.replicate_comm.all_reduce(flat_grad, purpose="grads", unit=self.comm_label)
             self._reductions.append(_Reduction(work, flat_grad, flat_grad, replicate_done=True))
+            return
+        if user is not None and self.shard_comm.size > 1:  # [Note: user communicators]
+            numels = (self.flat_grad_numel, self.grad_slots.chunk_numel)
+            dtype, device = self.reduce_dtype, self.compute_device
+            args = (self.shard_comm, user, self.take_local_grads, numels, dtype, device)
+            work, reduced, flat_grad = user_comms.reduce_scatter_grads(*args, unit=self.comm_label)
+            self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
             return
         out = None
         if scratch is not None:

@@ -20,6 +20,7 @@ from ..base.torch_compat import fsdp2_reset_drops_gradients
 from ..base.validate import check_bool
 from ..core.unit import Unit
 from ..runtime.manual_finalization import PendingReduction
+from .custom_comms import set_all_gather, set_reduce_scatter
 from .meta_init import apply_to_shards, hide_shards
 from .replicas import set_all_reduce, set_force_sum, set_hook
 from .state import runtime_for, state_of
@@ -265,9 +266,27 @@ class FSDPModule:
             if state is not None:
                 state.unit.set_keeps_full_storage(value)
 
-    _comms = "shardwrap's communicators own the collectives and their buffers"
-    set_custom_all_gather = _refused("set_custom_all_gather", _comms)
-    set_custom_reduce_scatter = _refused("set_custom_reduce_scatter", _comms)
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Gather this module's unit's parameters with ``comm`` (FSDP2's ``AllGather``
+        protocol: ``allocate(size, *, dtype, device)`` gives the output buffer, then
+        ``comm(output_tensor=, input_tensor=, group=, async_op=True)``). The input is this
+        rank's flat shard and the output every rank's, in rank order, in the compute dtype;
+        the shard's element order is the door's, not FSDP2's ([Note: user communicators]
+        in comm/user_comms.py). Not called with a single shard (nothing to gather)."""
+        set_all_gather(self, comm)  # type: ignore[arg-type]
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatter this module's unit's gradients with ``comm`` (FSDP2's
+        ``ReduceScatter`` protocol: ``allocate`` gives the input and output buffers, then
+        ``comm(output_tensor=, input_tensor=, group=, op=ReduceOp.SUM, async_op=True)``),
+        in the reduce dtype; the division by the mesh size (or the divide factor) is the
+        engine's, around the sum ([Note: user communicators] in comm/user_comms.py)."""
+        set_reduce_scatter(self, comm)  # type: ignore[arg-type]
+
+    _comms = (
+        "shardwrap's communicators own the collectives and their buffers (a user's own "
+        "object: set_custom_all_gather, set_custom_reduce_scatter)"
+    )
     set_allocate_memory_from_process_group_for_comm = _refused(
         "set_allocate_memory_from_process_group_for_comm", _comms
     )

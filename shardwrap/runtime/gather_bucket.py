@@ -45,7 +45,8 @@ def needs_gather(handle: FlatParamHandle) -> bool:
 
 def _compatible(first: FlatParamHandle, other: FlatParamHandle) -> bool:
     return (
-        other.shard_comm.group is first.shard_comm.group
+        other.user_comms.all_gather is None  # a user's all-gather gathers its unit alone
+        and other.shard_comm.group is first.shard_comm.group
         and other.num_shards == first.num_shards
         and other.compute_dtype == first.compute_dtype
         and other.compute_device == first.compute_device
@@ -68,6 +69,8 @@ def collect(
     members = [first]
     if first.comm_quant is not None and first.comm_quant.changes_gathers:
         return members  # ZeRO++ gathers go alone ([Note: ZeRO++ in a unit])
+    if first.user_comms.all_gather is not None:
+        return members  # so does a user's ([Note: user communicators] in comm/user_comms.py)
     total = _full_bytes(first)
     for handle in upcoming:
         if handle in members or not _compatible(first, handle):

@@ -213,7 +213,7 @@ class Schedule:
         if budget <= 0:
             if not handle.grads.reduces_in_place:
                 self._wait_for_sharded_room()
-            handle.grads.start_reduce_grads(self.scratch)
+            handle.grads.start_reduce_grads(self.scratch, handle.user_comms.reduce_scatter)
             self._reducing.append(handle)
             return
         if not self._bucket.handles:
@@ -226,6 +226,8 @@ class Schedule:
 
     def bucket_budget(self, handle: FlatParamHandle) -> int:
         """The reduce bucket budget, in bytes, for ``handle`` (0: it reduces alone)."""
+        if handle.user_comms.reduce_scatter is not None:
+            return 0  # a user's reduce-scatter reduces its unit alone, as FSDP2's group
         if self.reduce_bucket_bytes is not None:
             return self.reduce_bucket_bytes
         return DEFAULT_IN_PLACE_BUCKET_BYTES if handle.grads.reduces_in_place else 0

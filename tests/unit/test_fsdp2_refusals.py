@@ -17,6 +17,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 import shardwrap
 from shardwrap.base.torch_compat import fsdp2_reduces_in_param_dtype_by_default
+from shardwrap.comm import user_comms
+from shardwrap.comm.user_comms import check_user_comm
 from shardwrap.core.grad_division import split_divisor
 from shardwrap.core.grads import checked_divide_factor
 from shardwrap.core.replica_grads import ReplicaGrads
@@ -146,6 +148,8 @@ REFUSED = [
         "reset_iter_state",
         "set_manual_backward_finalization",
         "set_keep_unsharded_storage",
+        "set_custom_all_gather",
+        "set_custom_reduce_scatter",
     )
 ]
 
@@ -299,3 +303,42 @@ def test_the_hook_runs_on_the_quotient_unless_the_comms_only_sum(sees_sum, expec
     replicas.hook = lambda reduced: reduced.add_(2.0)
     replicas.hook_sees_sum = sees_sum
     assert replicas.divide(torch.tensor([2.0]), 4.0).tolist() == expected
+
+
+class _Comm:
+    """FSDP2's comm protocol, with ``allocate`` returning what the test gives it."""
+
+    def __init__(self, buffer: object) -> None:
+        self.buffer = buffer
+
+    def allocate(self, size, *, dtype, device):
+        return self.buffer
+
+    def __call__(self, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("comm", [None, 3, print, SimpleNamespace(allocate=print)])
+def test_a_communicator_without_the_protocol_is_a_type_error_naming_comm(comm):
+    """Negative control: an object with ``allocate`` and ``__call__`` passes."""
+    with pytest.raises(TypeError, match="comm: expected a communicator object"):
+        check_user_comm("comm", comm)
+    good = _Comm(torch.empty(4))
+    assert check_user_comm("comm", good) is good
+
+
+@pytest.mark.parametrize(
+    ("buffer", "says"),
+    [
+        (None, "expected a tensor of 4 elements, got NoneType"),
+        (torch.empty(3), "expected a tensor of 4 elements"),
+        (torch.empty(4, dtype=torch.float64), "expected torch.float32 on cpu"),
+    ],
+)
+def test_what_allocate_returns_is_checked_by_name(buffer, says):
+    """Negative control: a right buffer (4 elements, float32, CPU; any shape) is used."""
+    with pytest.raises(TypeError, match=f"_Comm.allocate: {says}"):
+        user_comms.allocate(_Comm(buffer), 4, torch.float32, torch.device("cpu"))
+    right = torch.empty(2, 2)
+    used = user_comms.allocate(_Comm(right), 4, torch.float32, torch.device("cpu"))
+    assert used.shape == (4,) and used.data_ptr() == right.data_ptr()
