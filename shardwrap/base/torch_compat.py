@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "fsdp2_reduces_in_param_dtype_by_default",
+    "fsdp2_translates_spmd_types",
     "in_backward",
     "preserve_version_counter",
     "queue_backward_callback",
@@ -28,6 +29,13 @@ def fsdp2_reduces_in_param_dtype_by_default() -> bool:
     when ``reduce_dtype`` is None (before 2.15), rather than in the parameter's own dtype
     (2.15 on: the policy's docs, "versionchanged:: 2.15")."""
     return torch.torch_version.TorchVersion(torch.__version__) < (2, 15)
+
+
+def fsdp2_translates_spmd_types() -> bool:
+    """Whether this torch's ``fully_shard`` with ``dp_mesh_dims`` takes plain parameters
+    annotated with spmd_types local types and makes DTensors of them (2.14 on), rather than
+    taking DTensor parameters only (2.13)."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
 
 
 def fsdp2_reset_drops_gradients() -> bool:

@@ -26,6 +26,7 @@ from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import CommQuantization, ShardingStrategy
 from .assign_load import register_assign_hooks
+from .dp_mesh_dims import resolve_dp_mesh
 from .dtensor_views import install_dtensor_views
 from .fully_shard_args import (
     UnitOptions,
@@ -64,7 +65,8 @@ def fully_shard(
     their parameters ([Note: a list as one unit]). Call it bottom-up, the root last
     ([Note: bottom-up calls and the root]). Parameters become ``DTensor`` s sharded
     ``Shard(0)`` on a 1-D ``mesh``, ``(Replicate(), Shard(0))`` on a 2-D one (HSDP)
-    ([Note: DTensor shard views]). What this release does not
+    ([Note: DTensor shard views]). ``dp_mesh_dims`` names the data-parallel axes of a
+    named ``mesh`` ([Note: dp_mesh_dims on the door]). What this release does not
     support is refused by name (``docs/migrating-from-fsdp2.md``).
     """
     members = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -76,9 +78,11 @@ def fully_shard(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         ignored_params=ignored_params,
-        dp_mesh_dims=dp_mesh_dims,
         master_dtype=_master_dtype(members),
     )
+    # Before materialize_meta, which makes new parameters without their annotations.
+    own = [p for member in members for p in _own_params(member, options.ignored_params)]
+    mesh = resolve_dp_mesh(mesh, dp_mesh_dims, own)
     materialize_meta(members)  # [Note: meta-device modules on the FSDP2 door]
     # The unit's module: the one given, or a container of the list (outside the tree).
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
@@ -167,6 +171,19 @@ def _check_module(module: object) -> None:
         raise ValueError(
             "module: it holds a ShardedModule (the FSDP1 door); use one door for a model"
         )
+
+
+def _own_params(module: nn.Module, ignored: frozenset) -> list[nn.Parameter]:
+    """The parameters this call shards: below ``module``, not below a module an earlier
+    call sharded, not ignored."""
+    taken = {
+        id(p)
+        for sub in module.modules()
+        if sub is not module and state_of(sub) is not None
+        for p in sub.parameters()
+    }
+    own = {id(p): p for p in module.parameters() if id(p) not in taken and p not in ignored}
+    return list(own.values())
 
 
 def _left_out_below(module: nn.Module) -> frozenset[nn.Parameter]:

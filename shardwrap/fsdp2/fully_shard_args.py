@@ -100,7 +100,6 @@ def parse_options(
     mp_policy: object,
     offload_policy: object,
     ignored_params: object,
-    dp_mesh_dims: object,
     master_dtype: torch.dtype = torch.float32,
 ) -> UnitOptions:
     """Check ``fully_shard``'s keyword arguments (errors name the argument)."""
@@ -116,13 +115,6 @@ def parse_options(
     mixed_precision, output_dtype = _parse_mp_policy(mp_policy, master_dtype)
     cpu_offload = _parse_offload_policy(offload_policy)
     ignored = _parse_ignored_params(ignored_params)
-    if dp_mesh_dims is not None:
-        raise ValueError(
-            f"dp_mesh_dims {NOT_YET}: it names the data-parallel dimensions of a full SPMD "
-            "mesh whose parameters are already DTensors, and the door shards plain "
-            "parameters only; pass the data-parallel sub-mesh itself as mesh= "
-            '(mesh["dp"], or mesh["dp_replicate", "dp_shard"] for HSDP)'
-        )
     return UnitOptions(
         reshard_after_forward=reshard_after_forward,  # type: ignore[arg-type]
         mixed_precision=mixed_precision,

@@ -15,11 +15,14 @@ are equal bit for bit (each gradient sum has two terms). The
 door really ran: torchtitan's six units are shardwrap ``FSDPModule`` instances and the
 root's ledger holds the parameter all-gathers and gradient reduce-scatters.
 
-torchtitan's ``spmd_backend="partial_dtensor"`` (DTensor on the model-parallel axes only;
-FSDP over the 1-D ``fsdp`` mesh), not its default ``"spmd_types"``: with that one torch
-2.13's own ``fully_shard`` refuses torchtitan's parameters ("When dp_mesh_dims is provided,
-all parameters must be DTensors on the full SPMD mesh"); torch 2.14 and later translate
-spmd_types annotations in ``fully_shard``, which shardwrap's door does not do yet.
+torchtitan's two data-parallel backends: ``spmd_backend="partial_dtensor"`` (FSDP over
+the 1-D ``fsdp`` mesh) and its default, ``"spmd_types"``: parameters annotated with
+spmd_types local types (replicated on the ``dp_shard`` axis), ``fully_shard`` given the
+named storage mesh and ``dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")``, which
+torch 2.14 and later translate into DTensors ([Note: dp_mesh_dims on the door]). On torch
+2.13 torch's own ``fully_shard`` refuses those parameters ("When dp_mesh_dims is provided,
+all parameters must be DTensors on the full SPMD mesh"), and the door refuses them too,
+naming ``dp_mesh_dims`` and the backend to use.
 
 Negative controls. In the suite: ``install()`` with torch's ``FSDPModule`` left in
 ``torch.distributed._composable.fsdp`` (where torchtitan's check reads it), so the
@@ -38,6 +41,7 @@ from __future__ import annotations
 import torch
 import torchtitan  # noqa: F401 (a declared test dependency: a broken install fails, never skips)
 
+from shardwrap.base.torch_compat import fsdp2_translates_spmd_types
 from tests.dist import torchtitan_cases as tc
 from tests.dist.harness import run_ranks
 
@@ -72,9 +76,10 @@ def door_checks(rank: int, torch_run: dict, ours: dict) -> None:
     assert len(torch_run["losses"]) == tc.STEPS and torch_run["params"], rank
 
 
-def test_torchtitan_fsdp2_on_shardwrap_equals_torch_fsdp2_bit_for_bit() -> None:
+def check_with_control(spmd_backend: str) -> None:
+    """torchtitan on both doors equal bit for bit, and the control apart (module doc)."""
     doors = ("torch", "shardwrap", "shardwrap_without_composable")
-    for rank, out in enumerate(run_ranks(tc.runs, 2, doors, "partial_dtensor", False)):
+    for rank, out in enumerate(run_ranks(tc.runs, 2, doors, spmd_backend, False)):
         torch_run, ours, control = (out[door] for door in doors)
         door_checks(rank, torch_run, ours)
         found = differences(torch_run, ours)
@@ -85,6 +90,10 @@ def test_torchtitan_fsdp2_on_shardwrap_equals_torch_fsdp2_bit_for_bit() -> None:
         assert control["losses"][0] == torch_run["losses"][0], rank
         assert control["grad_norms"][0] == torch_run["grad_norms"][0] / 2, rank
         assert len(differences(torch_run, control)) == 2 + len(torch_run["params"]), rank
+
+
+def test_torchtitan_fsdp2_on_shardwrap_equals_torch_fsdp2_bit_for_bit() -> None:
+    check_with_control("partial_dtensor")
 
 
 def test_torchtitan_tied_embeddings_on_shardwrap_equal_torch_fsdp2_bit_for_bit() -> None:
@@ -99,13 +108,14 @@ def test_torchtitan_tied_embeddings_on_shardwrap_equal_torch_fsdp2_bit_for_bit()
         assert found == [], (rank, found[:4])
 
 
-def test_torchtitan_default_spmd_types_backend_is_refused_naming_dp_mesh_dims() -> None:
-    """torchtitan's default ``spmd_backend="spmd_types"`` shards over its multi-axis storage
-    mesh with ``dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")``, which the door does
-    not take yet: refused at the first ``fully_shard``, naming the argument and what to pass
-    instead. torch 2.13's own ``fully_shard`` fails there too (it does not translate
-    spmd_types annotations into DTensors, as 2.14 and later do); torch 2.15.0's trains it
-    to the losses of ``"partial_dtensor"`` (seen once), so the door lags torch there."""
-    for rank, message in enumerate(run_ranks(tc.refusal, 2, "spmd_types")):
-        assert message.startswith("ValueError: dp_mesh_dims is not yet supported"), (rank, message)
-        assert "mesh=" in message, (rank, message)
+def test_torchtitan_default_spmd_types_backend_as_torch_fsdp2_takes_it() -> None:
+    """torchtitan's default backend (``dp_mesh_dims``): on torch 2.14 and later, trained on
+    both doors bit for bit, with the control apart; on 2.13 refused by both."""
+    if fsdp2_translates_spmd_types():
+        check_with_control("spmd_types")
+        return
+    for rank, found in enumerate(run_ranks(tc.refusals, 2, "spmd_types")):
+        assert "all parameters must be DTensors" in found["torch"], (rank, found["torch"])
+        ours = found["shardwrap"]
+        assert ours.startswith("ValueError: dp_mesh_dims: torch before 2.14"), (rank, ours)
+        assert "spmd_backend='partial_dtensor'" in ours, (rank, ours)

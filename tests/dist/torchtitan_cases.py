@@ -262,16 +262,21 @@ def runs(rank: int, world_size: int, doors: tuple[str, ...], spmd_backend: str, 
     return {door: run(rank, world_size, door, spmd_backend, tied) for door in doors}
 
 
-def refusal(rank: int, world_size: int, spmd_backend: str) -> str:
-    """What shardwrap's door says to torchtitan's ``parallelize_llama`` on ``spmd_backend``:
-    the exception's type and message (an empty string if it built the model)."""
-    _forget_torchtitan()
-    shardwrap.install()
-    try:
-        build(world_size, spmd_backend, tied=False)
-    except Exception as error:  # noqa: BLE001 - what it raised is the result
-        return f"{type(error).__name__}: {error}"
-    finally:
-        shardwrap.uninstall()
+def refusals(rank: int, world_size: int, spmd_backend: str) -> dict[str, str]:
+    """What torch's ``fully_shard`` and shardwrap's door say to torchtitan's
+    ``parallelize_llama`` on ``spmd_backend``, by door: the exception's type and message
+    (an empty string if it built the model)."""
+    found = {}
+    for door in ("torch", "shardwrap"):
         _forget_torchtitan()
-    return ""
+        _enter(door)
+        try:
+            build(world_size, spmd_backend, tied=False)
+            found[door] = ""
+        except Exception as error:  # noqa: BLE001 - what it raised is the result
+            found[door] = f"{type(error).__name__}: {error}"
+        finally:
+            if door != "torch":
+                shardwrap.uninstall()
+            _forget_torchtitan()
+    return found

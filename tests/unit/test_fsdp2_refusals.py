@@ -33,7 +33,6 @@ DEFAULTS = dict(
     mp_policy=MixedPrecisionPolicy(),
     offload_policy=OffloadPolicy(),
     ignored_params=None,
-    dp_mesh_dims=None,
 )
 
 
@@ -113,7 +112,6 @@ def test_unsynced_accumulation_in_another_dtype_than_fsdp2s_is_refused():
         ("offload_policy", CPUOffload(offload_params=True), TypeError),
         ("ignored_params", {"weight"}, TypeError),
         ("ignored_params", nn.Parameter(torch.zeros(1)), TypeError),
-        ("dp_mesh_dims", object(), ValueError),
     ],
 )
 def test_unsupported_arguments_are_refused_by_name(argument, value, error):

@@ -16,7 +16,6 @@ def _options(reshard_after_forward) -> UnitOptions:
         mp_policy=MixedPrecisionPolicy(),
         offload_policy=OffloadPolicy(),
         ignored_params=None,
-        dp_mesh_dims=None,
     )
 
 
