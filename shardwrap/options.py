@@ -59,7 +59,7 @@ class ShardingStrategy(enum.Enum):
         """Gradients left by ``no_sync`` backwards are reduced at the optimizer step (ZeRO-1).
 
         Synchronising backwards reduce ZeRO-1 gradients as they go, like ZeRO-2's; see
-        [Note: ZeRO-1 reduces in backward] in ``runtime/step.py``.
+        [Note: ZeRO-1 reduces in backward] in ``runtime/deferred_grads.py``.
         """
         return self is ShardingStrategy.SHARD_OPTIM
 

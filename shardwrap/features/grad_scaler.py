@@ -20,7 +20,7 @@ from ..base.torch_compat import tree_map
 from ..base.validate import check_int
 from ..comm import collectives
 from ..comm.collectives import CommLedger, Communicator
-from ..runtime.step import reduce_deferred_grads_for
+from ..runtime.deferred_grads import reduce_deferred_grads_for
 
 
 class _OptimizerStage(enum.Enum):

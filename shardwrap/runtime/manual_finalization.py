@@ -87,11 +87,14 @@ class ManualFinalization:
             raise RuntimeError(f"The previous gradient reduction must be waited on before {what}")
 
     def check_finalize(
-        self, *, backward_running: bool, kept_partial: str | None, no_all_reduce: str | None
+        self, *, backward_running: bool, units: list[Unit], sync_grads: bool
     ) -> None:
-        """``finalize_backward``'s checks, FSDP2's messages; ``kept_partial``: the name of a
-        unit holding an HSDP sum whose all-reduce was skipped, if any; ``no_all_reduce``:
-        of a waiting HSDP unit told not to all-reduce, if any."""
+        """``finalize_backward``'s checks, FSDP2's messages: no backward running, no unit of
+        ``units`` holding an HSDP sum whose all-reduce was skipped, and, synchronising
+        (``sync_grads``), no waiting HSDP unit told not to all-reduce."""
+        kept_partial = _first_name(u for u in units if _keeps_partial(u))
+        skipping = (u for u in self.waiting if sync_grads and _skips_all_reduce(u))
+        no_all_reduce = _first_name(skipping)
         self.check_no_pending("finalizing backward again")
         if not (self.enabled if self.active is None else self.active):
             raise RuntimeError(
@@ -129,3 +132,23 @@ class ManualFinalization:
         self.active = None
         self.waiting.clear()
         self.pending = None
+
+
+def _keeps_partial(unit: Unit) -> bool:
+    """An HSDP unit holding a reduce-scatter sum whose all-reduce was skipped."""
+    return unit.handle is not None and unit.handle.grads.replicas.kept is not None
+
+
+def _skips_all_reduce(unit: Unit) -> bool:
+    """An HSDP unit told not to all-reduce (``set_requires_all_reduce(False)``)."""
+    handle = unit.handle
+    return (
+        handle is not None
+        and handle.grads.replicate_comm is not None
+        and not handle.grads.replicas.all_reduce_grads
+    )
+
+
+def _first_name(units) -> str | None:
+    """The first of ``units``' names (the root's as FSDP2 names it), or None."""
+    return next((unit.name or "<root>" for unit in units), None)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm.checks import digest, digest_words, words_agree
+from ..comm.checks import digest, digest_words, raise_disagreement, words_agree
 from ..comm.collectives import Communicator
 from ..flat_param import FlatParamHandle
 
@@ -64,3 +64,48 @@ def start_vote(
     )
     work = world_comm.all_reduce(flags, purpose="grad_presence", op=dist.ReduceOp.MAX)
     return PresenceVote(work, flags, handles)
+
+
+class PresenceCheck:
+    """One root's presence votes and what each checks: the units run (names, in order)
+    since the last vote, agreed by every rank ([Note: rank agreement])."""
+
+    def __init__(self, world_comm: Communicator) -> None:
+        self.world_comm = world_comm
+        self.units_run: list[str] = []  # since the last vote checked them
+        self._checked: list[tuple[str, str]] = []  # what the last vote checked
+
+    def note_run(self, units: list[Any]) -> None:
+        """``units`` (in forward order) ran in the backward that just ended."""
+        self.units_run.extend(u.name for u in units)
+
+    def start(self, handles: list[FlatParamHandle]) -> PresenceVote | None:
+        """Issue the presence vote of ``handles`` (see [Note: gradient presence])."""
+        entries = run_entries(self.units_run)
+        self.units_run.clear()  # checked now, or never: nothing to vote on (no handles)
+        if not handles:
+            return None
+        self._checked = entries
+        return start_vote(self.world_comm, handles, entries)
+
+    def vote_and_assign(self, handles: list[FlatParamHandle]) -> None:
+        """All-reduce the presence flags of ``handles`` and hand their reduced gradients to
+        the shard views; a disagreement raises."""
+        vote = self.start(handles)
+        if vote is not None and not vote.finish():
+            self.report_disagreement()
+
+    def report_disagreement(self) -> None:
+        """The vote's digests differ: name the first rank and unit run that differ."""
+        raise_disagreement(self.world_comm, self._checked, "the units run since the last check")
+
+    def check_late_grads(self, units: list[Any]) -> None:
+        """Refuse gradients that reached one of ``units`` after it was reduced."""
+        for unit in units:
+            late = unit.handle.grads.late_grad_names() if unit.handle is not None else []
+            if late:
+                raise RuntimeError(
+                    f"rank {self.world_comm.rank}: unit {unit.name!r} received gradients for "
+                    f"{late} after it was reduced; a parameter is used outside its unit's "
+                    "forward. Wrap the module that uses it, or put both in one unit."
+                )

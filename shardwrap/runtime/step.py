@@ -8,7 +8,9 @@ calls). This module is the only caller of ``unshard``/``reshard``; the schedule 
 what to prefetch, what stays gathered and when to wait for reductions, and ``Unit``
 changes its own fields.
 
-The free rule (what a unit gives up, and when) is runtime/free_rule.py.
+The free rule (what a unit gives up, and when) is runtime/free_rule.py; the presence vote
+runtime/presence.py; ZeRO-1's reductions left for the optimizer step
+runtime/deferred_grads.py ([Note: ZeRO-1 reduces in backward]).
 
 [Note: the post-optimizer event]
 FSDP2's ``set_post_optim_event(event)`` makes the next root forward's all-gathers wait for
@@ -49,16 +51,6 @@ accumulates the local gradients on the full views, which the unit's post-backwar
 as any unit's. Told so of a unit whose backward does read them, backward reads released
 storage and fails, as under FSDP2.
 
-[Note: ZeRO-1 reduces in backward]
-ZeRO-1 (``SHARD_OPTIM``) shards only the optimizer state, yet its gradients are reduced
-like ZeRO-2's: each unit's reduce-scatter is issued when the unit's backward ends and
-overlaps the rest of backward, as DDP's all-reduces do, and the full local gradient is
-freed once reduced. Reducing at the optimizer step instead would serialise all gradient
-traffic after backward. Under ``no_sync`` full local gradients accumulate on the full
-views; the next synchronising backward reduces their sum. If no synchronising backward
-follows (``no_sync`` backwards, then ``optimizer.step()``), the optimizer step pre-hook
-reduces what they left, so no accumulated gradient is ever dropped.
-
 [Note: microbatched steps]
 A pipeline schedule runs several microbatches' forwards and backwards per optimizer step,
 in an order of its own (GPipe: all forwards, then all backwards; 1F1B: interleaved). Three
@@ -75,46 +67,30 @@ order of the step's first backward (its forwards' order) is kept for its last on
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 
 from ..base.pages import release_resident
 from ..base.torch_compat import queue_backward_callback
-from ..comm.checks import raise_disagreement
 from ..comm.collectives import Communicator
 from ..core import optimizer_step
 from ..core.optimizer_step import Phase
 from ..core.unit import TrainingState, Unit
 from ..flat_param import FlatParamHandle
+from .deferred_grads import STEPPING, reduce_deferred_grads_for, still_pending
 from .free_rule import Moment, Release, release_rule
 from .gather_bucket import FusedGather
 from .manual_finalization import ManualFinalization, PendingReduction
-from .presence import NUM_DIGEST_WORDS, PresenceVote, run_entries, start_vote
+from .presence import NUM_DIGEST_WORDS, PresenceCheck
 from .schedule import Prefetch, Schedule
 
 __all__ = ["NUM_DIGEST_WORDS", "StepRuntime", "reduce_deferred_grads_for", "regather"]
-
-# Runtimes with ZeRO-1 reductions left for the optimizer step to flush (kept here, not in
-# the registry: the registry imports this module).
-_STEPPING: weakref.WeakSet[StepRuntime] = weakref.WeakSet()
 
 
 def regather(handle: FlatParamHandle) -> None:
     """Gather ``handle`` again outside a step: ``summon_full_params`` wrote edits into its
     shard while it showed gathered parameters, which must show the edits."""
     handle.unshard()
-
-
-def reduce_deferred_grads_for(optimizer: torch.optim.Optimizer) -> None:
-    """Reduce unreduced ZeRO-1 gradients of every root that owns ``optimizer``'s parameters.
-
-    For code holding only an optimizer (a grad scaler): this module knows the runtimes
-    whose optimizer hooks are live.
-    """
-    for runtime in list(_STEPPING):
-        if runtime.sync_grads and runtime._owns(optimizer):
-            runtime.reduce_deferred_grads()
 
 
 class StepRuntime:
@@ -130,8 +106,8 @@ class StepRuntime:
         self.is_last_backward = True
         self._step_order: list[Unit] = []  # forward order of a microbatched step so far
         self.execution_order: list[Unit] = []  # units in first-forward order this step
-        # Units run (names, in order) since the last presence vote checked them.
-        self.units_run: list[str] = []
+        # The presence vote and what it checks ([Note: gradient presence])
+        self.presence = PresenceCheck(world_comm)
         self._finalize_queued = False
         # [Note: manual backward finalization] in runtime/manual_finalization.py
         self.manual = ManualFinalization()
@@ -142,7 +118,6 @@ class StepRuntime:
         # ZeRO-1: a ``no_sync`` backward left full local gradients that no synchronising
         # backward reduced since; the optimizer step reduces them.
         self.deferred_grads_pending = False
-        self._checked_entries: list[tuple[str, str]] = []  # what the last vote checked
         # id(shard view) -> its handle, for the optimizer step hooks; the views live as long
         # as their handle, so ids stay valid (index_shard_views again if a door swaps them).
         self._handle_of_shard: dict[int, FlatParamHandle] = {}
@@ -151,8 +126,8 @@ class StepRuntime:
         actions = {Phase.NOTE_STALE: _note_stale}
         if any(u.strategy.reduces_at_step and u.handle is not None for u in units):
             actions[Phase.FLUSH_DEFERRED_GRADS] = _flush_deferred
-            _STEPPING.add(self)
-        optimizer_step.join(self, StepRuntime._owns, actions)
+            STEPPING.add(self)
+        optimizer_step.join(self, StepRuntime.owns, actions)
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
@@ -245,8 +220,13 @@ class StepRuntime:
     def _end_backward(self, *, last: bool, manual: bool = False) -> None:
         """Reduce the units autograd did not reach (``manual``: leave them waiting while
         synchronising), vote on presence, settle; ``last``: the step ends."""
-        self.units_run.extend(u.name for u in self.execution_order)
-        self._update_deferred_pending()
+        self.presence.note_run(self.execution_order)
+        self.deferred_grads_pending = still_pending(
+            self.deferred_grads_pending,
+            sync_grads=self.sync_grads,
+            units=self.units,
+            reached=self.execution_order,
+        )
         for unit in reversed(self.execution_order):
             if unit.state not in (TrainingState.FORWARD, TrainingState.BACKWARD):
                 continue
@@ -256,10 +236,11 @@ class StepRuntime:
                 self.post_backward(unit)
         vote = None
         if self.sync_grads:
-            self._check_late_grads([u for u in self.units if u not in self.manual.waiting])
+            reached = [u for u in self.units if u in self.execution_order]
+            self.presence.check_late_grads([u for u in reached if u not in self.manual.waiting])
             # Every flag is known once the last reduction is issued: the vote goes out now
             # and its round trip overlaps the wait for the reductions still in flight.
-            vote = self.start_vote(self.units)
+            vote = self.presence.start([u.handle for u in self.units if u.handle is not None])
         order = self._order_for_end(last)
         for unit in self.schedule.end_step(order, last=last):
             self._settle(unit, last)
@@ -270,17 +251,13 @@ class StepRuntime:
         if last:
             self.manual.end_step()
         if not agreed:
-            self.report_disagreement()
+            self.presence.report_disagreement()
 
     def start_finalize(self) -> PendingReduction:
         """FSDP2's ``finalize_backward``: issue the reductions of the units waiting for it;
         :meth:`finish_finalize` ends the step ([Note: manual backward finalization])."""
         self.manual.check_finalize(
-            backward_running=self._finalize_queued,
-            kept_partial=_first_name(u for u in self.units if _keeps_partial(u)),
-            no_all_reduce=_first_name(
-                u for u in self.manual.waiting if self.sync_grads and _skips_all_reduce(u)
-            ),
+            backward_running=self._finalize_queued, units=self.units, sync_grads=self.sync_grads
         )
         ends_step = self.manual.active is not None or bool(self.manual.waiting)
         waiting = self.manual.take_waiting(sync=self.sync_grads)
@@ -401,52 +378,9 @@ class StepRuntime:
         order, self._step_order = self._step_order or self.execution_order, []
         return order
 
-    def _update_deferred_pending(self) -> None:
-        # A synchronising backward reduces only the units it reached; a ZeRO-1 unit it did
-        # not reach may still hold gradients from an earlier ``no_sync`` backward. The
-        # execution order is the same on every rank, so every rank decides alike.
-        if not self.sync_grads:
-            self.deferred_grads_pending = True
-        elif self.deferred_grads_pending:
-            self.deferred_grads_pending = any(
-                u.strategy.reduces_at_step and u.handle is not None
-                for u in self.units
-                if u not in self.execution_order
-            )
-
-    def _check_late_grads(self, units: list[Unit]) -> None:
-        for unit in units:
-            if unit.handle is None or unit not in self.execution_order:
-                continue
-            late = unit.handle.grads.late_grad_names()
-            if late:
-                raise RuntimeError(
-                    f"rank {self.world_comm.rank}: unit {unit.name!r} received gradients for "
-                    f"{late} after it was reduced; a parameter is used outside its unit's "
-                    "forward. Wrap the module that uses it, or put both in one unit."
-                )
-
     def vote_and_assign(self, units: list[Unit]) -> None:
         """All-reduce per-parameter presence flags and hand reduced grads to shard views."""
-        vote = self.start_vote(units)
-        if vote is not None and not vote.finish():
-            self.report_disagreement()
-
-    def start_vote(self, units: list[Unit]) -> PresenceVote | None:
-        """Issue the presence vote of ``units`` (see [Note: gradient presence])."""
-        handles = [u.handle for u in units if u.handle is not None]
-        entries = run_entries(self.units_run)
-        self.units_run.clear()  # checked now, or never: nothing to vote on (no handles)
-        if not handles:
-            return None
-        self._checked_entries = entries
-        return start_vote(self.world_comm, handles, entries)
-
-    def report_disagreement(self) -> None:
-        """The vote's digests differ: name the first rank and unit run that differ."""
-        raise_disagreement(
-            self.world_comm, self._checked_entries, "the units run since the last check"
-        )
+        self.presence.vote_and_assign([u.handle for u in units if u.handle is not None])
 
     # ------------------------------------------------------ the optimizer step
     def reduce_deferred_grads(self) -> None:
@@ -475,7 +409,8 @@ class StepRuntime:
         units = [u for u in self.units if u.handle is not None]
         self._handle_of_shard = {id(p): u.handle for u in units for p in u.handle.shard_params}
 
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` holds a shard view of one of this root's units."""
         return any(
             id(p) in self._handle_of_shard for g in optimizer.param_groups for p in g["params"]
         )
@@ -497,7 +432,7 @@ class StepRuntime:
 
     def remove_hooks(self) -> None:
         """Take no more part in optimizer steps (an enclosing root adopted the units)."""
-        _STEPPING.discard(self)
+        STEPPING.discard(self)
         optimizer_step.leave(self)
 
     # ------------------------------------------------------------------ misc
@@ -509,26 +444,6 @@ class StepRuntime:
             yield
         finally:
             self.sync_grads = previous
-
-
-def _keeps_partial(unit: Unit) -> bool:
-    """An HSDP unit holding a reduce-scatter sum whose all-reduce was skipped."""
-    return unit.handle is not None and unit.handle.grads.replicas.kept is not None
-
-
-def _skips_all_reduce(unit: Unit) -> bool:
-    """An HSDP unit told not to all-reduce (``set_requires_all_reduce(False)``)."""
-    handle = unit.handle
-    return (
-        handle is not None
-        and handle.grads.replicate_comm is not None
-        and not handle.grads.replicas.all_reduce_grads
-    )
-
-
-def _first_name(units) -> str | None:
-    """The first of ``units``' names (the root's as FSDP2 names it), or None."""
-    return next((unit.name or "<root>" for unit in units), None)
 
 
 def _flush_deferred(runtime: StepRuntime, optimizer, args, kwargs) -> None:
