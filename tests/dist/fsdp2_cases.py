@@ -70,6 +70,19 @@ class TinyModel(nn.Module):
         return self.head(x) * torch.sigmoid(self.gate(x))
 
 
+def sharded_tiny(side: str, world_size: int) -> TinyModel:
+    """The seeded model, each block then the root through ``side``'s ``fully_shard``
+    (``"torch"``: torch's; any other side: shardwrap's) on a 1-D mesh of ``world_size``."""
+    shard = torch_fsdp.fully_shard if side == "torch" else shardwrap.fully_shard
+    torch.manual_seed(0)
+    model = TinyModel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    return model
+
+
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, VOCAB, (3, SEQ), generator=g), torch.randint(

@@ -206,18 +206,6 @@ def compare(rank: int, world_size: int, pairs: list[tuple]) -> list[dict]:
     return found
 
 
-def _sharded(side: str, world_size: int) -> fc.TinyModel:
-    """The seeded model, each block then the root through ``side``'s ``fully_shard``."""
-    shard = torch_fsdp.fully_shard if side == "torch" else shardwrap.fully_shard
-    torch.manual_seed(0)
-    model = fc.TinyModel()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        shard(block, mesh=mesh)
-    shard(model, mesh=mesh)
-    return model
-
-
 def misuse(rank: int, world_size: int, side: str) -> dict[str, str]:
     """What each misuse gets from ``side``'s ``fully_shard`` ("torch" or "shardwrap"),
     by name: its error, or "accepted"."""
@@ -231,7 +219,7 @@ def misuse(rank: int, world_size: int, side: str) -> dict[str, str]:
         else:
             found[name] = "accepted"
 
-    model = _sharded(side, world_size)
+    model = fc.sharded_tiny(side, world_size)
     attempt("before_forward", lambda: model.finalize_backward())
     if side == "shardwrap":  # torch's takes any value
         attempt("enabled_not_bool", lambda: model.set_manual_backward_finalization(1))

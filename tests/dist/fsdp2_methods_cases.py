@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import fsdp as torch_fsdp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardwrap
@@ -200,13 +198,7 @@ def no_grad_forwards(rank: int, world_size: int, side: str) -> dict:
     ``side``'s ``fully_shard`` ("torch", "shardwrap", or "control": shardwrap's units
     freeing after a forward without grad, as the FSDP1 door's): the parameter gathers of
     each forward without grad, whether the root stays gathered, and the outputs."""
-    shard = torch_fsdp.fully_shard if side == "torch" else shardwrap.fully_shard
-    torch.manual_seed(0)
-    model = fc.TinyModel()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        shard(block, mesh=mesh)
-    shard(model, mesh=mesh)
+    model = fc.sharded_tiny(side, world_size)
     if side == "control":
         for module in model.modules():
             if state_of(module) is not None:
