@@ -367,20 +367,22 @@ class FlatParamHandle:
         guard = preserve_version_counter(self.flat_full)
         self._pending = PendingGather(work, version, guard, None, staged)
 
-    def reshard(self, *, free: bool) -> None:
-        """Show the shard views; free the gathered storage if ``free`` (runtime/step.py's call)."""
-        self._to_sharded(free=free)
+    def reshard(self, *, free: bool, stale: bool = False) -> None:
+        """Show the shard views; free the gathered storage if ``free``, or keep it with its
+        values stale (gathered again next time) if ``stale`` (runtime/step.py's call)."""
+        self._to_sharded(free=free, stale=stale)
 
-    def _to_sharded(self, *, free: bool) -> None:
+    def _to_sharded(self, *, free: bool, stale: bool = False) -> None:
         self.show_params(self.shard_params)
         self.state = ShardedState.SHARDED
         if not self.separate_full:  # the module computed on the shard (DiskOffload: a file)
             release_resident(self.flat_shard)
-        if free and self.separate_full:
+        if (free or stale) and self.separate_full:
             self._finish_gather()  # never release storage under an all-gather in flight
             if self.comm_quant is not None:  # hpZ
                 self.comm_quant.keep_secondary(self.layout, self.flat_full, self._current_version())
-            self.flat_full.untyped_storage().resize_(0)
+            if free:
+                self.flat_full.untyped_storage().resize_(0)
             self._gathered_version = None
 
     def _current_version(self) -> ShardVersion | None:

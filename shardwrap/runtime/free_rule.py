@@ -25,8 +25,10 @@ What a unit gives up, and when, is one function (:func:`release_rule`), by momen
 The step runtime (runtime/step.py) asks at each moment and does what the answer says.
 
 A unit told to keep its gathered storage (``Unit.keeps_full_storage``, FSDP2's
-``set_keep_unsharded_storage``) shows its shard wherever it would free: the buffer, and so
-the full views' storage and data pointers, stay from gather to gather.
+``set_keep_unsharded_storage``) keeps it wherever it would free (``Release.KEEP_STORAGE``):
+the buffer, and so the full views' storage and data pointers, stay from gather to gather,
+while its values count as stale, so the next unshard all-gathers into it again, as
+FSDP2's does (it skips only the freeing).
 
 [Note: a forward without grad on the FSDP2 door]
 An evaluation forward (under ``torch.no_grad()``) frees every unit on the FSDP1 and
@@ -63,6 +65,9 @@ class Release(enum.Enum):
     KEEP = "keep"  # full parameters stay gathered and shown
     SHOW_SHARD = "show shard"  # shard views shown; the gathered buffer is kept
     FREE = "free"  # shard views shown; the gathered buffer's storage is freed
+    # FREE for a unit keeping its storage: shard views shown, the buffer kept, its values
+    # stale (the next unshard gathers into it again)
+    KEEP_STORAGE = "keep storage"
     PAGES = "pages"  # kept, computed on the mapped shard itself: its resident pages dropped
 
 
@@ -92,7 +97,7 @@ def release_rule(
         landed=landed,
     )
     if release is Release.FREE and unit.keeps_full_storage:
-        return Release.SHOW_SHARD
+        return Release.KEEP_STORAGE
     return release
 
 

@@ -364,7 +364,9 @@ class StepRuntime:
         if release is Release.PAGES:
             release_resident(unit.handle.flat_shard)  # type: ignore[union-attr]
         elif release is not Release.KEEP:
-            unit.handle.reshard(free=release is Release.FREE)  # type: ignore[union-attr]
+            unit.handle.reshard(  # type: ignore[union-attr]
+                free=release is Release.FREE, stale=release is Release.KEEP_STORAGE
+            )
 
     def _order_for_end(self, last: bool) -> list[Unit]:
         """The forward order this backward's end hands the schedule (``last``: the step's).

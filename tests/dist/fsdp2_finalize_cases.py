@@ -159,7 +159,13 @@ def run(
         storage.after_step()
         record.losses.append(loss)
         fc._read(model, record)
-    return record, storage.seen()
+    seen = storage.seen()
+    root = state_of(model)
+    ledger = root.root.comm_ledger.records if root is not None and root.root is not None else []
+    # The door's parameter all-gathers (None on torch's, which keeps no ledger).
+    gathers = [r for r in ledger if (r.kind, r.purpose) == ("all_gather", "params")]
+    seen["gathers"] = len(gathers) if root is not None else None
+    return record, seen
 
 
 class _FullStorage:

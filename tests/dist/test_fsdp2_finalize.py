@@ -17,8 +17,11 @@ Negative controls (in the suite): manual finalization never finalized differs fr
 finalized run (the root's gradients are never reduced); the end-of-backward callback
 reducing the root at every backward (the mode ignored there) differs from torch's two
 synchronising backwards (seen: the root's ``norm.bias`` and ``head.weight`` from step 0);
-without ``set_keep_unsharded_storage`` the gathered weight's storage is freed after every
-step (0 bytes), so the storage check tells the flag acted on from not.
+without ``set_keep_unsharded_storage`` (the same run but for the flag) the gathered
+weight's storage is freed after every step (0 bytes), so the storage check tells the flag
+acted on from not; and the flag keeps every parameter all-gather (as many on the door's
+ledger with it as without: FSDP2 skips only the freeing; a kept buffer that skipped the
+next gather, seen once in review, had one fewer per step).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def _pairs() -> dict[str, tuple]:
     pairs["never finalized"] = (("torch", "single", False), ("shardwrap", "never_finalized", False))
     torch_keeps = TORCH_HAS_MANUAL  # set_keep_unsharded_storage came with 2.15 too
     pairs["keep"] = (("torch", "single", torch_keeps), ("shardwrap", "single", True))
+    # The control: the same run but for the flag.
+    pairs["keep control"] = (("shardwrap", "single", False), ("shardwrap", "single", True))
     if TORCH_HAS_MANUAL:
         for step in MANUAL_STEPS:
             pairs[f"torch {step}"] = (("torch", step, False), ("shardwrap", step, False))
@@ -114,7 +119,15 @@ def test_kept_unsharded_storage_changes_no_number_and_keeps_its_address():
 
 
 def test_negative_control_without_keeping_the_storage_is_freed_every_step():
-    """Both sides' runs without the flag (one backward, finalized manually or not)."""
+    """The same run without the flag: the storage freed after every step; and the flag
+    keeps every all-gather, as FSDP2's (it skips only the freeing): the door's ledger holds
+    as many parameter gathers with it as without."""
+    for found in _runs()["keep control"]:
+        assert found.get("differences") == [], found
+        without, kept = found["storage"]["reference"], found["storage"]["ours"]
+        assert without["sizes"] == [0] * NUM_STEPS, without
+        assert _kept(kept), kept
+        assert kept["gathers"] == without["gathers"] > 0, (kept, without)
     for found in _runs()["automatic single_finalized"]:
         for storage in found["storage"].values():
             assert storage["sizes"] == [0] * NUM_STEPS, storage

@@ -133,4 +133,4 @@ def test_a_unit_keeping_its_storage_shows_its_shard_where_it_would_free(moment, 
     unit = make_unit("FULL_SHARD", full_bytes=4)
     assert release_rule(moment, unit, **FLAGS, **facts) is Release.FREE
     unit.set_keeps_full_storage(True)
-    assert release_rule(moment, unit, **FLAGS, **facts) is Release.SHOW_SHARD
+    assert release_rule(moment, unit, **FLAGS, **facts) is Release.KEEP_STORAGE
