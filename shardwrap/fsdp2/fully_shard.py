@@ -80,16 +80,20 @@ def fully_shard(
         ignored_params=ignored_params,
         master_dtype=_master_dtype(members),
     )
-    # Before materialize_meta, which makes new parameters without their annotations.
+    # Every check before materialize_meta, the call's first change to the module (which
+    # also makes new parameters, without their spmd_types annotations).
     own = [p for member in members for p in _own_params(member, options.ignored_params)]
     mesh = resolve_dp_mesh(mesh, dp_mesh_dims, own)
-    materialize_meta(members)  # [Note: meta-device modules on the FSDP2 door]
     # The unit's module: the one given, or a container of the list (outside the tree).
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
     device = next((p.device for p in target.parameters()), None)
-    mesh = data_parallel_mesh(mesh, device.type if device is not None else "cpu")
+    # A meta module's parameters get CPU storage (materialize_meta).
+    device_type = "cpu" if device is None or device.type == "meta" else device.type
+    mesh = data_parallel_mesh(mesh, device_type)
     check_offload_mesh(options, mesh.device_type)
     options = resolve_reshard_size(options, mesh.shape[-1])
+    _check_nested_settings(target)
+    materialize_meta(members)  # [Note: meta-device modules on the FSDP2 door]
     ignored = options.ignored_params | _left_out_below(target)
     # Alive until build_root adopts their units (the registry holds roots weakly).
     nested_roots = _release_nested(target)
@@ -202,19 +206,30 @@ def _left_out_below(module: nn.Module) -> frozenset[nn.Parameter]:
     )
 
 
-def _release_nested(module: nn.Module) -> list[ShardRoot]:
-    """The ``fully_shard`` roots below ``module``, their records cleared and their forward
-    hooks removed (``build_root`` adopts their units; the new root's hook replaces theirs)."""
+def _nested_states(module: nn.Module) -> dict[int, DoorUnit]:
+    """The records of the ``fully_shard`` roots below ``module``."""
     nested: dict[int, DoorUnit] = {}
     for sub in module.modules():
         state = state_of(sub)
         if sub is not module and state is not None and state.root is not None:
             nested[id(state)] = state
-    roots = [state.root for state in nested.values() if state.root is not None]
+    return nested
+
+
+def _check_nested_settings(module: nn.Module) -> None:
+    """Refuse adopting a root whose root-only setting this call would drop."""
+    roots = [state.root for state in _nested_states(module).values() if state.root]
     if any(root.runtime.manual.enabled for root in roots):  # the setting would be lost
         raise RuntimeError(
             "set_manual_backward_finalization must be called on the root FSDP module"
         )
+
+
+def _release_nested(module: nn.Module) -> list[ShardRoot]:
+    """The ``fully_shard`` roots below ``module``, their records cleared and their forward
+    hooks removed (``build_root`` adopts their units; the new root's hook replaces theirs)."""
+    nested = _nested_states(module)
+    roots = [state.root for state in nested.values() if state.root is not None]
     for state in nested.values():
         state.root_hook.remove()
         state.root, state.root_hook = None, None

@@ -340,3 +340,17 @@ def test_what_allocate_returns_is_checked_by_name(buffer, says):
     right = torch.empty(2, 2)
     used = user_comms.allocate(_Comm(right), 4, torch.float32, torch.device("cpu"))
     assert used.shape == (4,) and used.data_ptr() == right.data_ptr()
+
+
+def test_a_refused_adoption_leaves_a_meta_model_as_it_was(one_rank):
+    """Adopting a root set to finalize manually is refused before the call changes
+    anything: the model's own parameters are still on the meta device, unsharded.
+    (Control, run once: with the check back after materialize_meta, ``norm.weight`` had
+    CPU storage after the refusal.)"""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    shardwrap.fully_shard(model[0])
+    model[0].set_manual_backward_finalization(True)
+    with pytest.raises(RuntimeError, match="must be called on the root FSDP module"):
+        shardwrap.fully_shard(model)
+    assert model[1].weight.is_meta and type(model) is nn.Sequential
