@@ -39,11 +39,13 @@ def resolve_dp_mesh(mesh: object, dp_mesh_dims: object, params: Iterable[nn.Para
     """The mesh the door shards over: ``mesh`` itself, checked against ``dp_mesh_dims``
     and the call's ``params`` ([Note: dp_mesh_dims on the door]); ``mesh`` as given when
     ``dp_mesh_dims`` is None."""
+    params = list(params)
     if dp_mesh_dims is None:
+        if fsdp2_translates_spmd_types():
+            _refuse_annotated_without_dims(params)
         return mesh
     shard, replicate = _dims(dp_mesh_dims)
     names = _mesh_names(mesh, shard + replicate)
-    params = list(params)
     if not fsdp2_translates_spmd_types():
         _refuse_plain_as_torch_does(params)
     _check_axes(names, shard, replicate)
@@ -131,10 +133,13 @@ def _check_params(mesh, params: list[nn.Parameter]) -> None:
                 "or annotated tensors (spmd.assert_type), so annotate it or leave out "
                 "dp_mesh_dims"
             )
-        if get_partition_spec(param) is not None:
+        annotated = flatten_axes(tuple(local_type))
+        if not (annotated <= mesh_axis and mesh_axis <= annotated):  # containment, both ways
             raise ValueError(
-                f"dp_mesh_dims: a parameter of shape {shape} has a spmd_types partition spec "
-                f"(sharded on a model-parallel axis) {NOT_YET}"
+                f"dp_mesh_dims: a parameter of shape {shape} is annotated on axes "
+                f"{tuple(local_type)}, which do not span the mesh {mesh.mesh_dim_names} "
+                f"(partial annotations: FSDP2 takes them under spmd.set_current_mesh(...), "
+                f"which {NOT_YET}); annotate every axis"
             )
         for axis, kind in local_type.items():
             if kind is not spmd.R or not axis <= mesh_axis:
@@ -143,6 +148,28 @@ def _check_params(mesh, params: list[nn.Parameter]) -> None:
                     f"{axis}; FSDP2 takes parameters replicated (spmd.R) on the data-parallel "
                     f"axes it shards over ({mesh.mesh_dim_names})"
                 )
+        if get_partition_spec(param) is not None:
+            raise ValueError(
+                f"dp_mesh_dims: a parameter of shape {shape} has a spmd_types partition spec "
+                f"(sharded on a model-parallel axis) {NOT_YET}"
+            )
+
+
+def _refuse_annotated_without_dims(params: list[nn.Parameter]) -> None:
+    """torch >= 2.14's FSDP2 refuses parameters carrying spmd_types annotations without
+    ``dp_mesh_dims`` (it has no storage mesh to translate them to); so does the door."""
+    try:
+        import spmd_types as spmd
+    except ImportError:  # torch then does not look for annotations either
+        return
+    for param in params:
+        if not isinstance(param, DTensor) and spmd.get_local_type(param):
+            raise ValueError(
+                f"dp_mesh_dims: a parameter of shape {tuple(param.shape)} carries spmd_types "
+                "annotations, which need fully_shard() with a named storage mesh and "
+                "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...) naming its "
+                "data-parallel axes, as torch's FSDP2 requires"
+            )
 
 
 def _refuse_plain_as_torch_does(params: list[nn.Parameter]) -> None:

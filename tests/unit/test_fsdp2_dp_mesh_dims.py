@@ -1,7 +1,8 @@
 """``fully_shard(..., dp_mesh_dims=...)``'s checks ([Note: dp_mesh_dims on the door]), on
 one rank: each refusal names the argument and what is wrong. What the door trains with
 it, against torch's FSDP2, is tests/dist/test_torchtitan_fsdp2.py (torchtitan's default
-backend). On torch 2.13 every call with plain parameters is refused, as torch's is.
+backend) and tests/dist/test_fsdp2_dp_mesh_dims.py (annotated parameters, FSDP and
+HSDP). On torch 2.13 every call with plain parameters is refused, as torch's is.
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ def test_type_checking_is_refused(one_rank):
         )
 
 
-def test_torch_accepts_what_the_door_refuses_only_on_a_release_that_translates(one_rank):
-    """The control for the release split: torch's own fully_shard on an unannotated
-    parameter with ``dp_mesh_dims`` refuses too (its DTensor path), on every release."""
+def test_torch_refuses_unannotated_plain_parameters_on_every_release(one_rank):
+    """What the door's refusal of unannotated plain parameters follows: torch's own
+    fully_shard refuses them with ``dp_mesh_dims`` too (its DTensor path), on every release."""
     from torch.distributed.fsdp import fully_shard
 
     with pytest.raises(ValueError, match="all parameters must be DTensors"):
