@@ -288,8 +288,9 @@ class _Pool:
         negative number: -11 a crash, -9 killed, as by the kernel's out-of-memory killer)."""
         self.procs[rank].join(timeout=5.0)
         code = self.procs[rank].exitcode
-        ended = "is still running" if code is None else f"exited with code {code}"
-        return f"the rank's pipe closed (it died): it {ended}"
+        # Worded as a death seen by the process's end, so _errors_with waits as long for
+        # the others' reports.
+        return f"ranks [{rank}] exited with codes [{code}] (its pipe closed mid-test)"
 
     def _errors_with(self, rank: int, payload: str, waiting: dict) -> str:
         """The first failure, with the failures of ranks that report soon after (within a
