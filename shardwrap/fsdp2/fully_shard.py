@@ -160,6 +160,13 @@ def _check_module(module: object) -> None:
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     if state_of(module) is not None:
         raise ValueError("module: fully_shard was already called on this module")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # Its unit is gathered around the module's forward, and these containers have
+        # none: their members would run on the shards.
+        raise ValueError(
+            f"module: an nn.{type(module).__name__} has no forward, so fully_shard cannot "
+            "gather its unit; call fully_shard on the modules in it, or pass them as a list"
+        )
     for name, param in module.named_parameters():
         if param.dim() == 0:
             raise ValueError(f"module: parameter {name!r} is a scalar; Shard(0) needs a dim")
