@@ -110,11 +110,19 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[], help="test ids (Class.test_name)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per file")
     parser.add_argument("--json", type=Path, help="write every outcome here too")
+    parser.add_argument(
+        "--cpu-ranks",
+        action="store_true",
+        help="let multi-process tests start ranks without accelerators (cpu_ranks.py)",
+    )
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
+    if args.cpu_ranks:
+        os.environ["SW_TORCH_SUITE_CPU_RANKS"] = "1"
     names = args.files or sorted(p.name for p in args.tests.glob("test_*.py"))
     results: dict[str, dict[str, dict]] = {mode: {} for mode in MODES}
     for name in names:
-        for mode in MODES:
+        for mode in args.modes:
             outcomes = run_one((args.tests / name).resolve(), mode, args.timeout, args.only)
             results[mode].update(outcomes)
             n_pass = sum(v["status"] == "pass" for v in outcomes.values())
