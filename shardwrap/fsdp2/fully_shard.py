@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ..assemble.casts import cast_outputs
+from ..assemble.casts import cast_inputs, cast_outputs
 from ..assemble.compose import build_root
 from ..assemble.root import ShardRoot, is_root
 from ..assemble.wrap_options import WrapOptions
@@ -116,12 +116,24 @@ def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options
         set_state(owner, state)
     if len(members) > 1:
         register_group_hooks(unit, members)
+        _cast_member_inputs(unit, members, options)
     if options.output_dtype is not None:
         # After the unit's own forward hooks, as FSDP2 casts after its post-forward; on
         # each member of a list, as FSDP2 casts each one's outputs.
         for member in members:
             unit.add_hook_handle(cast_outputs(member, options.output_dtype))
     _start_root(root, members[0])
+
+
+def _cast_member_inputs(unit, members: list[nn.Module], options: UnitOptions) -> None:
+    """A list's unit module is a container outside the tree that never runs, so the input
+    cast the engine hooks on a unit's module never fires for it; FSDP2 casts each member's
+    floating inputs to ``param_dtype`` (after the group's gather hooks, registered first)."""
+    policy = options.mixed_precision
+    if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+        return
+    for member in members:
+        unit.add_hook_handle(cast_inputs(member, policy.param_dtype))
 
 
 def _wrap_options(mesh, options: UnitOptions, ignored: frozenset) -> WrapOptions:
