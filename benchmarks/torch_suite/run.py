@@ -36,39 +36,30 @@ def _env(tests_dir: Path, mode: str) -> dict[str, str]:
     return env
 
 
-def run_one(path: Path, mode: str, timeout: float, only: list[str]) -> dict[str, dict]:
-    """One file in one mode, in a fresh process; a timeout is the file's result."""
+def run_one(
+    path: Path, mode: str, timeout: float, only: list[str], log_dir: Path
+) -> dict[str, dict]:
+    """One file in one mode, in a fresh process (its output in ``log_dir``); a timeout is
+    the file's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "outcomes.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.torch_suite.worker",
-            str(path),
-            "--json",
-            str(out),
-            *(["--only", *only] if only else []),
-        ]
+        cmd = [sys.executable, "-m", "benchmarks.torch_suite.worker", str(path), "--json"]
+        cmd += [str(out), *(["--only", *only] if only else [])]
+        log = log_dir / f"{path.stem}.{mode}.log"
         start = time.perf_counter()
         try:
-            proc = subprocess.run(
-                cmd,
-                env=_env(path.parent, mode),
-                cwd=REPO,
-                timeout=timeout,
-                capture_output=True,
-                text=True,
-            )
+            with log.open("w") as sink:
+                env = _env(path.parent, mode)
+                proc = subprocess.run(
+                    cmd, env=env, cwd=REPO, timeout=timeout, stdout=sink, stderr=subprocess.STDOUT
+                )
         except subprocess.TimeoutExpired:
-            return {f"{path.stem}.<file>": {"status": "timeout", "detail": f"over {timeout:.0f} s"}}
+            detail = f"over {timeout:.0f} s (see {log})"
+            return {f"{path.stem}.<file>": {"status": "timeout", "detail": detail}}
         if not out.exists():
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
-            return {
-                f"{path.stem}.<file>": {
-                    "status": "error",
-                    "detail": f"rc={proc.returncode}: {tail[0][:300]}",
-                }
-            }
+            tail = log.read_text().strip().splitlines()[-1:] or [""]
+            detail = f"rc={proc.returncode}: {tail[0][:300]}"
+            return {f"{path.stem}.<file>": {"status": "error", "detail": detail}}
         outcomes = json.loads(out.read_text())
         for entry in outcomes.values():
             entry.setdefault("seconds", round(time.perf_counter() - start, 1))
@@ -116,14 +107,22 @@ def main() -> None:
         help="let multi-process tests start ranks without accelerators (cpu_ranks.py)",
     )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "torch_suite",
+        help="each run's output, FILE.MODE.log (progress: one line a test)",
+    )
     args = parser.parse_args()
     if args.cpu_ranks:
         os.environ["SW_TORCH_SUITE_CPU_RANKS"] = "1"
+    args.logs.mkdir(parents=True, exist_ok=True)
     names = args.files or sorted(p.name for p in args.tests.glob("test_*.py"))
     results: dict[str, dict[str, dict]] = {mode: {} for mode in MODES}
     for name in names:
         for mode in args.modes:
-            outcomes = run_one((args.tests / name).resolve(), mode, args.timeout, args.only)
+            path = (args.tests / name).resolve()
+            outcomes = run_one(path, mode, args.timeout, args.only, args.logs)
             results[mode].update(outcomes)
             n_pass = sum(v["status"] == "pass" for v in outcomes.values())
             print(f"{name} [{mode}]: {n_pass}/{len(outcomes)} pass", file=sys.stderr)

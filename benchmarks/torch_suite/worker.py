@@ -50,6 +50,12 @@ class Recorder(unittest.TestResult):
         super().stopTest(test)
         entry = self.outcomes.setdefault(test.id(), {"status": "pass", "detail": ""})
         entry["seconds"] = round(time.perf_counter() - self._started[test.id()], 2)
+        # Progress, for a long file: one line per test as it ends.
+        print(
+            f"[torch_suite] {test.id()}: {entry['status']} ({entry['seconds']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _err(self, test, err, status: str) -> None:
         tb = self._exc_info_to_string(err, test)
