@@ -6,7 +6,9 @@ write the call. ``install()`` rebinds torch's name for the class, in every torch
 that holds it, to ``shardwrap.FullyShardedDataParallel``; code that looks the name up when
 it runs (accelerate imports it inside the functions that wrap, check and save) then builds
 and recognises ours. FSDP2's ``fully_shard`` and ``FSDPModule`` (in
-``torch.distributed.fsdp`` and ``torch.distributed._composable.fsdp``) are rebound too.
+``torch.distributed.fsdp`` and ``torch.distributed._composable.fsdp``) are rebound too, and
+so is ``register_fsdp_forward_method``, to one that hands a shardwrap module to shardwrap's
+and anything else to torch's.
 ``uninstall()`` restores torch's. Call ``install()`` before the framework code runs; a
 module that bound torch's class at its own import, before ``install()``, keeps it.
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from .assemble.root import is_root
 from .ckpt import dcp
-from .fsdp2 import FSDPModule, fully_shard
+from .fsdp2 import FSDPModule, fully_shard, register_fsdp_forward_method
 from .fsdp2.state import state_of
 from .wrap import FullyShardedDataParallel
 
@@ -49,6 +51,25 @@ for _module_name in ("torch.distributed.fsdp", "torch.distributed._composable.fs
     _REBOUND[(_module_name, "FSDPModule")] = FSDPModule
 # (torch module, name) -> torch's original, while installed.
 _ORIGINALS: dict[tuple[str, str], Any] = {}
+
+
+def _forward_method_for(module_name: str) -> Any:
+    """torch's ``register_fsdp_forward_method`` there, or shardwrap's for a door module:
+    torch's reads its own FSDP state, which a door module has not; a module torch's
+    ``fully_shard`` built before ``install()`` keeps torch's."""
+
+    def register(module, method_name):
+        if isinstance(module, FSDPModule):
+            return register_fsdp_forward_method(module, method_name)
+        return _ORIGINALS[(module_name, "register_fsdp_forward_method")](module, method_name)
+
+    register.__name__ = register.__qualname__ = "register_fsdp_forward_method"
+    register.__doc__ = "torch's, or shardwrap's for a shardwrap FSDPModule (install())."
+    return register
+
+
+for _module_name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+    _REBOUND[(_module_name, "register_fsdp_forward_method")] = _forward_method_for(_module_name)
 
 
 def _holds_shardwrap(model: Any) -> bool:

@@ -78,6 +78,12 @@ def cast_outputs(module: nn.Module, dtype: torch.dtype) -> Any:
     return module.register_forward_hook(_CastOutput(dtype))
 
 
+def cast_inputs(module: nn.Module, dtype: torch.dtype) -> Any:
+    """Cast ``module``'s floating inputs to ``dtype`` before its forward (a forward pre-hook
+    registered now, so after those before it); returns the hook handle."""
+    return module.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True)
+
+
 def install_casts(
     units: list[Unit], root: nn.Module, policy: MixedPrecision | None, full_precision: set[int]
 ) -> list[Any]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ..assemble.casts import cast_outputs
+from ..assemble.casts import cast_inputs, cast_outputs
 from ..assemble.compose import build_root
 from ..assemble.root import ShardRoot, is_root
 from ..assemble.wrap_options import WrapOptions
@@ -124,12 +124,24 @@ def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options
         set_state(owner, state)
     if len(members) > 1:
         register_group_hooks(unit, members)
+        _cast_member_inputs(unit, members, options)
     if options.output_dtype is not None:
         # After the unit's own forward hooks, as FSDP2 casts after its post-forward; on
         # each member of a list, as FSDP2 casts each one's outputs.
         for member in members:
             unit.add_hook_handle(cast_outputs(member, options.output_dtype))
     _start_root(root, members[0])
+
+
+def _cast_member_inputs(unit, members: list[nn.Module], options: UnitOptions) -> None:
+    """A list's unit module is a container outside the tree that never runs, so the input
+    cast the engine hooks on a unit's module never fires for it; FSDP2 casts each member's
+    floating inputs to ``param_dtype`` (after the group's gather hooks, registered first)."""
+    policy = options.mixed_precision
+    if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+        return
+    for member in members:
+        unit.add_hook_handle(cast_inputs(member, policy.param_dtype))
 
 
 def _wrap_options(mesh, options: UnitOptions, ignored: frozenset) -> WrapOptions:
@@ -168,6 +180,13 @@ def _check_module(module: object) -> None:
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
     if state_of(module) is not None:
         raise ValueError("module: fully_shard was already called on this module")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # Its unit is gathered around the module's forward, and these containers have
+        # none: their members would run on the shards.
+        raise ValueError(
+            f"module: an nn.{type(module).__name__} has no forward, so fully_shard cannot "
+            "gather its unit; call fully_shard on the modules in it, or pass them as a list"
+        )
     for name, param in module.named_parameters():
         if param.dim() == 0:
             raise ValueError(f"module: parameter {name!r} is a scalar; Shard(0) needs a dim")

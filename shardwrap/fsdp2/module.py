@@ -26,6 +26,8 @@ from .replicas import set_all_reduce, set_force_sum, set_hook
 from .state import runtime_for, state_of
 
 _CLASSES: dict[type, type] = {}
+# FSDP<Name> -> <Name>, for FSDPModule.__new__.
+_ORIGINAL: dict[type, type] = {}
 
 
 class UnshardHandle:
@@ -87,6 +89,27 @@ def _refused(name: str, why: str):
 
 class FSDPModule:
     """A module ``shardwrap.fully_shard`` sharded (torch's ``FSDPModule`` methods)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Building an ``FSDP<Name>`` class directly builds a plain ``<Name>``.
+
+        Containers build new modules of their own class: ``nn.Sequential`` slicing calls
+        ``self.__class__(...)``. Only ``fully_shard`` makes a module an FSDPModule (it
+        gives it a unit); a module built so has none, so it is the original class, as
+        under FSDP2."""
+        original = _ORIGINAL.get(cls)
+        if original is None:
+            return super().__new__(cls)
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise NotImplementedError(
+            f"copy.deepcopy of a sharded {type(self).__name__} is not supported by "
+            "shardwrap (its parameters are this rank's shards and its unit holds the "
+            "process group): deepcopy the model before fully_shard, or copy its state dict"
+        )
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's unit and show the full parameters; with ``async_op``,
@@ -345,4 +368,5 @@ def as_fsdp_module(module: nn.Module) -> None:
         return
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _ORIGINAL[_CLASSES[cls]] = cls
     module.__class__ = _CLASSES[cls]

@@ -69,15 +69,31 @@ def run(shard: Callable, register: Callable | None, rank: int, world_size: int) 
     return record
 
 
-def compare(rank: int, world_size: int, registered: bool) -> list[str]:
+def _ours(rank: int, world_size: int, registered: bool, installed: bool) -> dict:
+    """shardwrap's run: its own names, or torch's names after ``shardwrap.install()``
+    (torch's ``register_fsdp_forward_method`` reads torch's FSDP state, which a door
+    module has not, so install() rebinds it too)."""
+    if not installed:
+        register = shardwrap.register_fsdp_forward_method if registered else None
+        return run(shardwrap.fully_shard, register, rank, world_size)
+    shardwrap.install()
+    try:
+        return run(
+            torch_fsdp.fully_shard, torch_fsdp.register_fsdp_forward_method, rank, world_size
+        )
+    finally:
+        shardwrap.uninstall()
+
+
+def compare(rank: int, world_size: int, registered: bool, installed: bool = False) -> list[str]:
     """torch's run, then shardwrap's (``registered=False``: without the registration,
-    the negative control); the differences, one line each."""
+    the negative control; ``installed``: through torch's names); the differences, one
+    line each."""
     reference = run(
         torch_fsdp.fully_shard, torch_fsdp.register_fsdp_forward_method, rank, world_size
     )
     dist.barrier()
-    register = shardwrap.register_fsdp_forward_method if registered else None
-    ours = run(shardwrap.fully_shard, register, rank, world_size)
+    ours = _ours(rank, world_size, registered, installed)
     found = mixed_precision_refused(world_size)
     for key in ("losses", "head_after_score", "plain_untouched"):
         if reference[key] != ours[key]:

@@ -25,6 +25,19 @@ def test_registered_method_equals_torch_fsdp2_bit_for_bit():
         assert found == [], f"rank {rank}: {found[:8]}"
 
 
+def test_torchs_name_after_install_registers_on_the_door():
+    """torch's ``register_fsdp_forward_method``, called on a door module after
+    ``shardwrap.install()`` (as torch's own test_fully_shard_training does), gives the same
+    run bit for bit. Control (run once, the rebinding removed from install.py): torch's
+    function leaves the door module as it is (not torch's FSDPModule) and the method's first
+    call sees the DTensor chunks ("aten.embedding.default got mixed torch.Tensor and
+    DTensor"); with torch's private FSDPModule name rebound as well, as
+    benchmarks/torch_suite does, it fails at the call instead ("no attribute
+    '_get_fsdp_state'")."""
+    for rank, found in enumerate(run_ranks(fm.compare, 2, True, True)):
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
 def test_negative_control_unregistered_method_fails():
     for rank, found in enumerate(run_ranks(fm.compare, 2, False)):
         assert any(line.startswith("score 0:") for line in found), f"rank {rank}: {found[:8]}"
