@@ -105,10 +105,9 @@ def _check_axes(names: tuple[str, ...], shard: tuple[str, ...], replicate: tuple
 
 def _check_params(mesh, params: list[nn.Parameter]) -> None:
     """Each parameter as FSDP2 takes it with ``dp_mesh_dims``: plain, annotated with
-    spmd_types local types, replicated (``spmd.R``) on axes of the mesh only."""
+    spmd_types local types, replicated (``spmd.R``) on every axis of the mesh."""
     import spmd_types as spmd  # torch >= 2.14 imports it with FSDP2 (here: translating)
     from spmd_types._mesh_axis import flatten_axes  # as torch's FSDP2 imports it
-    from spmd_types.runtime import get_partition_spec
 
     if spmd.is_type_checking():
         raise ValueError(
@@ -119,40 +118,50 @@ def _check_params(mesh, params: list[nn.Parameter]) -> None:
     axes = tuple(spmd.MeshAxis.of(mesh.get_group(name)) for name in mesh.mesh_dim_names)
     mesh_axis = flatten_axes(axes)  # every axis of the mesh, as one
     for param in params:
-        shape = tuple(param.shape)
         if isinstance(param, DTensor):
             raise ValueError(
                 f"dp_mesh_dims with DTensor parameters (spmd_backend='full_dtensor') {NOT_YET}: "
                 "the door shards plain parameters annotated with spmd_types"
             )
-        local_type = spmd.get_local_type(param)
-        if not local_type:  # FSDP2 then takes the DTensor path, and refuses plain ones
+        _check_annotations(param, mesh_axis, mesh.mesh_dim_names)
+
+
+def _check_annotations(param: nn.Parameter, mesh_axis, names: tuple[str, ...]) -> None:
+    """``param``'s spmd_types annotations: present, spanning the mesh (``mesh_axis``, its
+    axes ``names`` as one), R on each axis, no partition spec."""
+    import spmd_types as spmd
+    from spmd_types._mesh_axis import flatten_axes
+    from spmd_types.runtime import get_partition_spec
+
+    shape = tuple(param.shape)
+    local_type = spmd.get_local_type(param)
+    if not local_type:  # FSDP2 then takes the DTensor path, and refuses plain ones
+        raise ValueError(
+            f"dp_mesh_dims: a parameter of shape {shape} is a plain tensor without "
+            "spmd_types annotations; with dp_mesh_dims FSDP2 takes DTensors on the mesh "
+            "or annotated tensors (spmd.assert_type), so annotate it or leave out "
+            "dp_mesh_dims"
+        )
+    annotated = flatten_axes(tuple(local_type))
+    if not (annotated <= mesh_axis and mesh_axis <= annotated):  # containment, both ways
+        raise ValueError(
+            f"dp_mesh_dims: a parameter of shape {shape} is annotated on axes "
+            f"{tuple(local_type)}, which do not span the mesh {names} (partial "
+            f"annotations: FSDP2 takes them under spmd.set_current_mesh(...), which "
+            f"{NOT_YET}); annotate every axis"
+        )
+    for axis, kind in local_type.items():
+        if kind is not spmd.R or not axis <= mesh_axis:
             raise ValueError(
-                f"dp_mesh_dims: a parameter of shape {shape} is a plain tensor without "
-                "spmd_types annotations; with dp_mesh_dims FSDP2 takes DTensors on the mesh "
-                "or annotated tensors (spmd.assert_type), so annotate it or leave out "
-                "dp_mesh_dims"
+                f"dp_mesh_dims: a parameter of shape {shape} is annotated {kind} on axis "
+                f"{axis}; FSDP2 takes parameters replicated (spmd.R) on the data-parallel "
+                f"axes it shards over ({names})"
             )
-        annotated = flatten_axes(tuple(local_type))
-        if not (annotated <= mesh_axis and mesh_axis <= annotated):  # containment, both ways
-            raise ValueError(
-                f"dp_mesh_dims: a parameter of shape {shape} is annotated on axes "
-                f"{tuple(local_type)}, which do not span the mesh {mesh.mesh_dim_names} "
-                f"(partial annotations: FSDP2 takes them under spmd.set_current_mesh(...), "
-                f"which {NOT_YET}); annotate every axis"
-            )
-        for axis, kind in local_type.items():
-            if kind is not spmd.R or not axis <= mesh_axis:
-                raise ValueError(
-                    f"dp_mesh_dims: a parameter of shape {shape} is annotated {kind} on axis "
-                    f"{axis}; FSDP2 takes parameters replicated (spmd.R) on the data-parallel "
-                    f"axes it shards over ({mesh.mesh_dim_names})"
-                )
-        if get_partition_spec(param) is not None:
-            raise ValueError(
-                f"dp_mesh_dims: a parameter of shape {shape} has a spmd_types partition spec "
-                f"(sharded on a model-parallel axis) {NOT_YET}"
-            )
+    if get_partition_spec(param) is not None:
+        raise ValueError(
+            f"dp_mesh_dims: a parameter of shape {shape} has a spmd_types partition spec "
+            f"(sharded on a model-parallel axis) {NOT_YET}"
+        )
 
 
 def _refuse_annotated_without_dims(params: list[nn.Parameter]) -> None:

@@ -19,8 +19,8 @@ from torch import nn
 from ..base.torch_compat import fsdp2_reset_drops_gradients
 from ..base.validate import check_bool
 from ..core.unit import Unit
-from ..runtime.manual_finalization import PendingReduction
 from .custom_comms import set_all_gather, set_reduce_scatter
+from .finalization import GradientReductionHandle, finalize, keep_storage, set_manual
 from .meta_init import apply_to_shards, hide_shards
 from .replicas import set_all_reduce, set_force_sum, set_hook
 from .state import runtime_for, state_of
@@ -39,23 +39,6 @@ class UnshardHandle:
     def wait(self) -> None:
         """Wait for the all-gather and show the full parameters on the module."""
         runtime_for(self._module).unshard_unit(_unit(self._module))
-
-
-class GradientReductionHandle:
-    """What ``finalize_backward(async_op=True)`` returns: ``wait()`` waits for the
-    reductions it issued, assigns the gradients and ends the step."""
-
-    def __init__(self, module: nn.Module | None, pending: PendingReduction | None) -> None:
-        self._module = module  # None: nothing to wait for (before the first forward)
-        self._pending = pending
-
-    def wait(self) -> None:
-        """Wait for the gradient reduction and end the step (once; later calls do nothing).
-        Raises ``RuntimeError`` after ``reset_iter_state`` invalidated it, as FSDP2's."""
-        module, pending = self._module, self._pending
-        if module is not None and pending is not None:
-            runtime_for(module).finish_finalize(pending)
-            self._module = self._pending = None
 
 
 def _unit(module: nn.Module) -> Unit:
@@ -259,35 +242,21 @@ class FSDPModule:
         after its last backward, instead of every backward's end ending it ([Note: manual
         backward finalization] in runtime/manual_finalization.py). Set it before the step's
         first backward; it cannot change until the step ends."""
-        value = check_bool("enabled", enabled)
-        _root_runtime(self, "set_manual_backward_finalization").manual.set_enabled(value)
+        set_manual(self, enabled)  # type: ignore[arg-type]
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """On the root, under manual finalization, after the step's last backward: reduce
         the gradients still local, wait, assign ``.grad`` and end the step; with
         ``async_op``, only issue the reductions and return a handle whose ``wait()`` does
         the rest (before any forward or further finalization)."""
-        wait = not check_bool("async_op", async_op)
-        runtime = runtime_for(self)  # type: ignore[arg-type]
-        if not runtime.has_run_forward:  # FSDP2: a no-op before the first forward
-            return None if wait else GradientReductionHandle(None, None)
-        runtime.manual.check_no_pending("finalizing backward again")
-        pending = _root_runtime(self, "finalize_backward").start_finalize()
-        if wait:
-            runtime.finish_finalize(pending)
-            return None
-        return GradientReductionHandle(self, pending)  # type: ignore[arg-type]
+        return finalize(self, async_op)  # type: ignore[arg-type]
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Whether this module's unit (and, with ``recurse``, every unit below) keeps its
         gathered parameters' storage when it reshards: the full parameters keep their data
-        pointers from one gather to the next, at the cost of their memory."""
-        value = check_bool("keep", keep)
-        modules = self.modules() if check_bool("recurse", recurse) else [self]  # type: ignore[attr-defined]
-        for module in modules:
-            state = state_of(module)
-            if state is not None:
-                state.unit.set_keeps_full_storage(value)
+        pointers from one gather to the next, at the cost of their memory; every unshard
+        still gathers, as FSDP2's."""
+        keep_storage(self, keep, recurse)  # type: ignore[arg-type]
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Gather this module's unit's parameters with ``comm`` (FSDP2's ``AllGather``
@@ -320,14 +289,6 @@ class FSDPModule:
         "set_reduce_scatter_unused_params",
         "a parameter without a gradient on every rank gets none (shardwrap's presence vote)",
     )
-
-
-def _root_runtime(module: Any, method: str):
-    """The runtime of ``module``, which must be the root (FSDP2's error otherwise)."""
-    state = state_of(module)
-    if state is not None and state.root is None:
-        raise RuntimeError(f"{method} must be called on the root FSDP module")
-    return runtime_for(module)
 
 
 def _whole_root(module: Any, method: str, recurse: object):
