@@ -14,6 +14,8 @@ every other unit, so each unit's setting is decided again whenever the root chan
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -123,7 +125,7 @@ def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options
     for owner in {id(m): m for m in [target, *members]}.values():
         set_state(owner, state)
     if len(members) > 1:
-        register_group_hooks(unit, members)
+        state.group = register_group_hooks(unit, members)
         _cast_member_inputs(unit, members, options)
     if options.output_dtype is not None:
         # After the unit's own forward hooks, as FSDP2 casts after its post-forward; on
@@ -265,8 +267,15 @@ def _start_root(root: ShardRoot, first: nn.Module) -> None:
     root_state = state_of(first)
     assert root_state is not None
     root_state.root = root  # the record keeps the root alive (the registry holds it weakly)
+    groups = [s.group for u in root.units if (s := state_of(u.module)) and s.group is not None]
     begin = root.begin_forward
-    root_state.root_hook = first.register_forward_pre_hook(lambda *_: begin(), prepend=True)
+
+    def begin_forward(*_: Any) -> None:
+        for group in groups:  # [Note: a list as one unit]
+            group.new_forward()
+        begin()
+
+    root_state.root_hook = first.register_forward_pre_hook(begin_forward, prepend=True)
 
 
 def resharded_after_forward(state: DoorUnit, is_root: bool) -> bool:

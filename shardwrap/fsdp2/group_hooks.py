@@ -10,6 +10,10 @@ when every module of the group has run (it hooks pre-backward on that last modul
 outputs). For modules that run one after another, backward then meets the last one's
 outputs first and the first one's inputs last, as for a single module; gradients of a
 group whose first inputs need none are reduced at the end of backward, as any such unit.
+Each root forward starts the group afresh (a module that did not run in the last one
+leaves no pass open), as FSDP2 finishes its groups with the root's forward; a second pass
+in one root forward (a member called again, e.g. per chunk of the loss) is refused by
+name: FSDP2 gathers and frees the group again for it, which the door does not yet.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from typing import Any
 from torch import nn
 
 from .. import hooks
+from ..base.torch_compat import in_backward
 from ..core.unit import Unit
 from ..runtime import registry
+
+NOT_YET = "is not yet supported by shardwrap.fully_shard"
 
 
 def _runtime(unit: Unit):
@@ -30,22 +37,59 @@ def _runtime(unit: Unit):
     return runtime
 
 
-def register_group_hooks(unit: Unit, modules: list[nn.Module]) -> None:
+class GroupPass:
+    """Where a list unit's pass through its modules stands in this root forward."""
+
+    def __init__(self, unit: Unit, modules: list[nn.Module]) -> None:
+        self.unit = unit
+        self.modules = modules
+        self.waiting: set[int] = set()  # ids of the group's modules not yet run this pass
+        self.passes = 0  # passes begun since the root's forward began (outside backward)
+
+    def new_forward(self) -> None:
+        """The root's forward begins: a pass left unfinished (a module of the group that
+        did not run) ends here, as FSDP2 finishes its groups with the root's forward."""
+        self.waiting.clear()
+        self.passes = 0
+
+    def begin(self) -> bool:
+        """Whether this module's forward begins a pass (the first of the group to run)."""
+        if self.waiting:
+            return False
+        if not in_backward():  # a recompute in backward (activation checkpointing) is not one
+            self.passes += 1
+            if self.passes > 1:
+                self.passes = 0
+                names = [type(m).__name__ for m in self.modules]
+                raise NotImplementedError(
+                    f"fully_shard({names}) as one unit: its modules ran a second time since "
+                    f"the root's forward began (e.g. a head called per chunk of the loss), "
+                    f"which {NOT_YET}; make separate units (fully_shard on each module)"
+                )
+        self.waiting.update(id(m) for m in self.modules)
+        return True
+
+    def end(self, module: nn.Module) -> bool:
+        """Whether this module's forward ends the pass (every module of the group ran)."""
+        self.waiting.discard(id(module))
+        return not self.waiting
+
+
+def register_group_hooks(unit: Unit, modules: list[nn.Module]) -> GroupPass:
     """Hook ``modules``'s forwards so ``unit`` is entered and left once per group pass."""
-    waiting: set[int] = set()  # ids of the group's modules not yet run in this pass
+    group = GroupPass(unit, modules)
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if waiting:
+        if not group.begin():
             return None
-        waiting.update(id(m) for m in modules)
         return hooks.pre_forward(unit, _runtime(unit), module, args, kwargs)
 
     def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        waiting.discard(id(module))
-        if waiting:
+        if not group.end(module):
             return None
         return hooks.post_forward(unit, _runtime(unit), module, args, kwargs, output)
 
     for module in modules:
         unit.add_hook_handle(module.register_forward_pre_hook(pre, with_kwargs=True))
         unit.add_hook_handle(module.register_forward_hook(post, with_kwargs=True))
+    return group

@@ -35,6 +35,7 @@ class DoorUnit:
     members: tuple[nn.Module, ...]  # the modules of the call (several: a list as one unit)
     root: ShardRoot | None = None  # set while this call's module is a root
     root_hook: Any = None  # the root's forward pre-hook handle (begin_forward)
+    group: Any = None  # a list unit's group_hooks.GroupPass (None: a single module)
 
 
 _ATTRIBUTE = "_shardwrap_fully_shard"  # in the module's __dict__: no nn.Module lookup

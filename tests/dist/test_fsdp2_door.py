@@ -37,6 +37,7 @@ import torch
 
 from tests.dist import fsdp2_api_cases as api
 from tests.dist import fsdp2_cases as fc
+from tests.dist import fsdp2_list_unit_cases as lu
 from tests.dist.harness import run_ranks
 from tests.tolerances import REORDER_SAFE_ADAMW
 
@@ -169,3 +170,24 @@ def test_negative_control_ignored_params_managed_differs():
     for found in run_ranks(fc.compare, 2, IGNORED, None, "ignored_managed"):
         assert any("placements['gate.weight']" in line for line in found), found[:8]
         assert any("full['gate.weight']" in line for line in found), found[:8]
+
+
+def test_a_list_unit_whose_head_does_not_run_equals_torch_fsdp2():
+    """[Note: a list as one unit]: the head of ``fully_shard([norm, head])`` never runs;
+    each root forward starts the group afresh, as FSDP2's. Bit for bit with torch's FSDP2
+    over 3 steps. Control (run once): without the fresh start, step 1's norm ran on its
+    shard ("got mixed torch.Tensor and DTensor")."""
+    for found in run_ranks(lu.both, 2, "skip"):
+        theirs, ours = found["torch"], found["shardwrap"]
+        assert "error" not in ours, ours
+        assert ours["losses"] == theirs["losses"], (ours["losses"], theirs["losses"])
+        assert all(torch.equal(v, ours["params"][k]) for k, v in theirs["params"].items())
+
+
+def test_a_list_unit_run_again_in_one_forward_is_refused_by_name():
+    """The head called per chunk of the loss: torch's FSDP2 trains it (it gathers the
+    group again); the door refuses it at the second call, naming the unit, where it used
+    to leave the group half run and fail, or crash, a step later."""
+    for found in run_ranks(lu.both, 2, "chunks"):
+        assert "error" not in found["torch"] and len(found["torch"]["losses"]) == lu.STEPS
+        assert "ran a second time since the root's forward began" in found["shardwrap"]["error"]
