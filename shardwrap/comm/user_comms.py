@@ -77,6 +77,21 @@ def allocate(comm: Any, numel: int, dtype: torch.dtype, device: torch.device) ->
     return buffer.view(-1)
 
 
+def _checked(kind: str, comm: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` whose result must be None or waitable: refused at once, not at the wait."""
+
+    def run() -> Any:
+        work = call()
+        if work is not None and not callable(getattr(work, "wait", None)):
+            raise TypeError(
+                f"{type(comm).__name__} ({kind}) returned a {type(work).__name__}; expected "
+                "None or a torch.distributed Work (something with wait())"
+            )
+        return work
+
+    return run
+
+
 def gather_params(group: Communicator, comm: Any, shard: torch.Tensor, numel: int, *, unit: str):
     """Issue ``comm``'s gather of every rank's ``shard`` into a buffer of ``numel`` from its
     ``allocate``: (a waitable, that buffer). Recorded as a parameter all-gather."""
@@ -86,7 +101,13 @@ def gather_params(group: Communicator, comm: Any, shard: torch.Tensor, numel: in
         "params",
         out_full,
         unit,
-        lambda: comm(output_tensor=out_full, input_tensor=shard, group=group.group, async_op=True),
+        _checked(
+            "all_gather",
+            comm,
+            lambda: comm(
+                output_tensor=out_full, input_tensor=shard, group=group.group, async_op=True
+            ),
+        ),
     )
     return work, out_full
 
@@ -114,4 +135,7 @@ def reduce_scatter_grads(
             output_tensor=out_shard, input_tensor=in_full, group=group.group, op=op, async_op=True
         )
 
-    return group.run_user("reduce_scatter", "grads", in_full, unit, call), out_shard, in_full
+    work = group.run_user(
+        "reduce_scatter", "grads", in_full, unit, _checked("reduce_scatter", comm, call)
+    )
+    return work, out_shard, in_full

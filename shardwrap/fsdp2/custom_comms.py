@@ -49,7 +49,8 @@ def set_all_gather(module: nn.Module, comm: Any) -> None:
             "its reshard_after_forward is an int, so its backward gathers a kept "
             "secondary shard over a smaller group; use reshard_after_forward=True or False",
         )
-    if quant is not None and quant.weight_codec is not None:
+    if quant is not None and quant.weight_codec is not None:  # defensive: the door makes
+        # no qwZ units today, but a handle's gathers quantized would bypass the object
         _refuse("set_custom_all_gather", handle.comm_label, "its gathers are quantized (qwZ)")
     handle.user_comms = replace(handle.user_comms, all_gather=comm)
 
@@ -60,7 +61,7 @@ def set_reduce_scatter(module: nn.Module, comm: Any) -> None:
     handle = _handle_for(module)
     if handle is None:
         return
-    if handle.grads.grad_codec is not None:
+    if handle.grads.grad_codec is not None:  # defensive, as for qwZ above
         _refuse(
             "set_custom_reduce_scatter", handle.comm_label, "its reductions are quantized (qgZ)"
         )

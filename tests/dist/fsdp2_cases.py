@@ -300,15 +300,8 @@ def _placement(param: torch.Tensor) -> str:
 
 
 def sharded_tiny_model(world_size: int) -> TinyModel:
-    """The seeded TinyModel, each block then the root through shardwrap's ``fully_shard``
-    on a 1-D CPU mesh of ``world_size`` (FSDP2's defaults)."""
-    torch.manual_seed(0)
-    model = TinyModel()
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        shardwrap.fully_shard(block, mesh=mesh)
-    shardwrap.fully_shard(model, mesh=mesh)
-    return model
+    """:func:`sharded_tiny` through shardwrap's ``fully_shard`` (FSDP2's defaults)."""
+    return sharded_tiny("shardwrap", world_size)
 
 
 def torch_run(rank: int, world_size: int, script: Script = Script()) -> Record:

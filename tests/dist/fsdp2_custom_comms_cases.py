@@ -31,7 +31,8 @@ class RecordingComm:
         self.kind = kind  # "all_gather" | "reduce_scatter"
         self.calls = 0
         self.allocations = 0
-        self.seen: Counter = Counter()  # (input numel, output numel, dtype, op, async_op)
+        self.seen: Counter = Counter()  # (input numel, output numel, dtype, op)
+        self.async_ops: Counter = Counter()  # the async_op values it was called with
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         self.allocations += 1
@@ -42,6 +43,7 @@ class RecordingComm:
         op_name = None if op is None else str(op)
         key = (input_tensor.numel(), output_tensor.numel(), str(input_tensor.dtype), op_name)
         self.seen[key] += 1
+        self.async_ops[async_op] += 1
         if self.kind == "all_gather":
             return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
         return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
@@ -93,6 +95,7 @@ class WithComms:
             "allocations": (self.gather.allocations, self.reduce.allocations),
             "gather_seen": dict(self.gather.seen),
             "reduce_seen": dict(self.reduce.seen),
+            "async_ops": (set(self.gather.async_ops), set(self.reduce.async_ops)),
             "ledger": dict(self.ledger),
         }
 

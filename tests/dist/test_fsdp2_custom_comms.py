@@ -51,6 +51,10 @@ def test_user_communicators_equal_torch_fsdp2_with_the_same_calls(script):
             k[:3]: n for k, n in theirs["reduce_seen"].items()
         }
         assert {k[3] for k in ours["reduce_seen"]} == {"RedOpType.SUM"}
+        # async_op: always True here (the engine waits on the Work); FSDP2 passes False to
+        # a gather outside unshard(async_op=True) and none to a reduce-scatter (the default)
+        assert ours["async_ops"] == ({True}, {True}), ours["async_ops"]
+        assert theirs["async_ops"] == ({False}, {False}), theirs["async_ops"]
 
 
 @pytest.mark.parametrize("script", list(cc.SCRIPTS))

@@ -354,3 +354,19 @@ def test_a_refused_adoption_leaves_a_meta_model_as_it_was(one_rank):
     with pytest.raises(RuntimeError, match="must be called on the root FSDP module"):
         shardwrap.fully_shard(model)
     assert model[1].weight.is_meta and type(model) is nn.Sequential
+
+
+def test_a_user_object_returning_neither_none_nor_work_is_refused_at_once():
+    from shardwrap.comm.collectives import Communicator
+    from shardwrap.comm.ledger import CommLedger
+
+    class ReturnsATensor:
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, **kwargs):
+            return torch.zeros(1)
+
+    group = Communicator(None, CommLedger())
+    with pytest.raises(TypeError, match=r"ReturnsATensor \(all_gather\) returned a Tensor"):
+        user_comms.gather_params(group, ReturnsATensor(), torch.zeros(2), 2, unit="u")
