@@ -85,6 +85,7 @@ def fully_shard(
     # Every check before materialize_meta, the call's first change to the module (which
     # also makes new parameters, without their spmd_types annotations).
     own = [p for member in members for p in _own_params(member, options.ignored_params)]
+    _check_not_taken(members, own)
     mesh = resolve_dp_mesh(mesh, dp_mesh_dims, own)
     # The unit's module: the one given, or a container of the list (outside the tree).
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
@@ -104,9 +105,36 @@ def fully_shard(
     root = build_root(target, _wrap_options(mesh, options, ignored), holder=members[0])
     del nested_roots
     _adopt_unit(root, target, members, mesh, options)
+    for param in own:  # the objects as given: a module sharing one still holds it
+        param.__dict__[_TAKEN] = root.units[0].name or type(members[0]).__name__
     for member in members:
         as_fsdp_module(member)
     return module
+
+
+# [Note: a parameter shared by two calls]
+# Two modules sharing one parameter (tied embeddings: ``out.weight = emb.weight``) sharded by
+# two calls would give it two units: each call replaces its own module's attribute with a
+# DTensor view of its unit, so the two copies train apart. FSDP2 refuses it at the root's
+# first forward ("shared with a parameter already managed by another FSDP group"); the door
+# refuses it at the second call, before changing anything. Each call marks the parameter
+# objects it took (as given, before meta materialisation), and a later call that finds one
+# among its own names the unit that holds it.
+_TAKEN = "_shardwrap_fully_shard_unit"
+
+
+def _check_not_taken(members: list[nn.Module], own: list[nn.Parameter]) -> None:
+    taken = {id(p): p.__dict__[_TAKEN] for p in own if _TAKEN in p.__dict__}
+    if not taken:
+        return
+    names = {id(p): f"{type(m).__name__}.{n}" for m in members for n, p in m.named_parameters()}
+    first = next(iter(taken))
+    raise ValueError(
+        f"module: parameter {names.get(first, '?')!r} is shared with a parameter an earlier "
+        f"fully_shard call already manages (unit {taken[first]!r}), as tied weights are; "
+        "torch's FSDP2 refuses this too. Put the modules that share it in one call: "
+        "fully_shard([module_a, module_b])"
+    )
 
 
 def _adopt_unit(root, target: nn.Module, members: list[nn.Module], mesh, options: UnitOptions):

@@ -370,3 +370,42 @@ def test_a_user_object_returning_neither_none_nor_work_is_refused_at_once():
     group = Communicator(None, CommLedger())
     with pytest.raises(TypeError, match=r"ReturnsATensor \(all_gather\) returned a Tensor"):
         user_comms.gather_params(group, ReturnsATensor(), torch.zeros(2), 2, unit="u")
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(17, 16)
+        self.out = nn.Linear(16, 17, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids))
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_a_weight_tied_across_two_calls_is_refused_as_torch_refuses_it(one_rank, on_meta):
+    """[Note: a parameter shared by two calls]: refused at the second call, which changes
+    nothing; torch's FSDP2 refuses the same model at its first forward (the reference).
+    In one call the tie holds. Control (run once, the check removed): the second call was
+    accepted, and the two copies trained apart (the torch_suite row)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    reference = _Tied()
+    torch_fully_shard(reference.emb)
+    torch_fully_shard(reference.out)
+    torch_fully_shard(reference)
+    with pytest.raises(ValueError, match="already managed by another"):
+        reference(torch.zeros(1, 2, dtype=torch.long))
+    with torch.device("meta" if on_meta else "cpu"):
+        model = _Tied()
+    shardwrap.fully_shard(model.emb)
+    with pytest.raises(
+        ValueError, match=r"parameter 'Linear.weight' is shared with .*\(unit 'Embedding'\)"
+    ):
+        shardwrap.fully_shard(model.out)
+    assert type(model.out) is nn.Linear and model.out.weight.is_meta == on_meta
+    together = _Tied()
+    shardwrap.fully_shard([together.emb, together.out])
+    shardwrap.fully_shard(together)
+    assert together.out.weight is together.emb.weight
