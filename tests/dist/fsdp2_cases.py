@@ -288,6 +288,24 @@ def _read(model: nn.Module, record: Record) -> None:
     record.state_dict.append({k: _plain(v) for k, v in model.state_dict().items()})
 
 
+def train_record(model: nn.Module, rank: int) -> Record:
+    """:data:`NUM_STEPS` AdamW steps on :func:`batch`'s data, the DTensor parameters'
+    gradients clipped to :data:`CLIP_NORM`: each step's loss, norm and views."""
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    record = Record()
+    for step in range(NUM_STEPS):
+        idx, target = batch(step, rank)
+        loss = F.cross_entropy(model(idx).reshape(-1, OUT), target.reshape(-1))
+        loss.backward()
+        sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+        record.grad_norms.append(_plain(torch.nn.utils.clip_grad_norm_(sharded, CLIP_NORM)))
+        optim.step()
+        optim.zero_grad()
+        record.losses.append(float(loss.detach()))
+        _read(model, record)
+    return record
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import shardwrap
 from tests.dist import fsdp2_cases as fc
@@ -58,19 +56,7 @@ def run(rank: int, side: str, case: str) -> fc.Record | str:
         SIDES[side](model, mesh=mesh, **extra)
     except (ValueError, RuntimeError, AssertionError) as error:  # alike on every rank
         return f"{type(error).__name__}: {error}"
-    optim = torch.optim.AdamW(model.parameters(), lr=fc.LR, weight_decay=0.1)
-    record = fc.Record()
-    for step in range(fc.NUM_STEPS):
-        idx, target = fc.batch(step, rank)
-        loss = F.cross_entropy(model(idx).reshape(-1, fc.OUT), target.reshape(-1))
-        loss.backward()
-        sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
-        record.grad_norms.append(fc._plain(torch.nn.utils.clip_grad_norm_(sharded, fc.CLIP_NORM)))
-        optim.step()
-        optim.zero_grad()
-        record.losses.append(float(loss.detach()))
-        fc._read(model, record)
-    return record
+    return fc.train_record(model, rank)
 
 
 def compare(rank: int, world_size: int, case: str) -> dict:

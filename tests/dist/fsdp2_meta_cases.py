@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import init_device_mesh
@@ -109,18 +108,7 @@ def run_meta_script(
     with torch.no_grad():
         model.offset.copy_(torch.linspace(-0.1, 0.1, fc.DIM))
     initial = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    optim = torch.optim.AdamW(model.parameters(), lr=fc.LR, weight_decay=0.1)
-    record = fc.Record()
-    for step in range(fc.NUM_STEPS):
-        idx, target = fc.batch(step, rank)
-        loss = F.cross_entropy(model(idx).reshape(-1, fc.OUT), target.reshape(-1))
-        loss.backward()
-        record.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), fc.CLIP_NORM))
-        record.grad_norms[-1] = record.grad_norms[-1].full_tensor()
-        optim.step()
-        optim.zero_grad()
-        record.losses.append(float(loss.detach()))
-        fc._read(model, record)
+    record = fc.train_record(model, rank)
     return initial, record
 
 
