@@ -271,3 +271,26 @@ def _backward_calling(model: nn.Module, rank: int, call) -> None:
     out = model(idx)
     out.register_hook(lambda grad: call())
     F.cross_entropy(out.reshape(-1, fc.OUT), target.reshape(-1)).backward()
+
+
+def hsdp_partial(rank: int, world_size: int, side: str) -> str:
+    """Manual finalization on a (2, 2) HSDP mesh with the all-reduce skipped
+    (``set_requires_all_reduce(False)``): the blocks keep their reduce-scatter sums, so
+    ``finalize_backward`` must refuse, as FSDP2's does. What it raised ("" if nothing)."""
+    shard = SIDES[side]
+    torch.manual_seed(0)
+    model = fc.TinyModel()
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    model.set_requires_all_reduce(False)
+    model.set_manual_backward_finalization(True)
+    _backward(model, 0, 0, rank)
+    try:
+        model.finalize_backward()
+    except RuntimeError as error:
+        return f"RuntimeError: {error}"
+    finally:
+        dist.barrier()
+    return ""

@@ -174,3 +174,22 @@ def test_misuse_gets_fsdp2s_errors():
 def test_the_misuse_table_is_torch_fsdp2s():
     for found in run_ranks(fz.misuse, 2, "torch"):
         assert found == MISUSE
+
+
+# torch 2.15's words; the door's own where torch has none.
+HSDP_PARTIAL = (
+    "RuntimeError: FSDP manual backward finalization does not support partial gradient "
+    "reductions for parameter group 'blocks.0'. Use automatic backward finalization for "
+    "this configuration"
+)
+
+
+def test_manual_finalization_refuses_kept_hsdp_sums_as_fsdp2_does():
+    """4 ranks as (2, 2): with the all-reduce skipped the blocks hold partial sums, which
+    finalize_backward refuses (torch 2.15's message, compared where torch has it). Control
+    (run once): without the kept-partial check the door raised its other refusal instead
+    ("requires all-reduce for parameter group '<root>'", the root waiting unreduced)."""
+    sides = ["shardwrap", "torch"] if TORCH_HAS_MANUAL else ["shardwrap"]
+    for side in sides:
+        for found in run_ranks(fz.hsdp_partial, 4, side):
+            assert found == HSDP_PARTIAL, (side, found)
