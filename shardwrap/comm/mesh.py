@@ -22,4 +22,10 @@ def data_parallel_mesh(mesh: object, device_type: str) -> DeviceMesh:
             "or a 2-D (replicate, shard) mesh (HSDP), as torch's FSDP2 does: pass "
             "mesh['dp'] or mesh['dp_replicate', 'dp_shard'] of a bigger one"
         )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"mesh: the 2-D mesh {mesh} (HSDP) has no mesh_dim_names; name its dimensions, "
+            "e.g. init_device_mesh(..., mesh_dim_names=('dp_replicate', 'dp_shard')), as "
+            "torch's FSDP2 requires"
+        )
     return mesh

@@ -409,3 +409,18 @@ def test_a_weight_tied_across_two_calls_is_refused_as_torch_refuses_it(one_rank,
     shardwrap.fully_shard([together.emb, together.out])
     shardwrap.fully_shard(together)
     assert together.out.weight is together.emb.weight
+
+
+def test_an_unnamed_2d_mesh_is_refused_as_torch_refuses_it(one_rank):
+    """torch's FSDP2 requires a 2-D (HSDP) mesh's dimensions named (its AssertionError,
+    the reference here); the door refused nothing and took it as (replicate, shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 1))
+    with pytest.raises(AssertionError, match="mesh_dim_names"):
+        torch_fully_shard(nn.Linear(2, 2), mesh=mesh)
+    module = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"mesh: the 2-D mesh .* has no mesh_dim_names"):
+        shardwrap.fully_shard(module, mesh=mesh)
+    assert type(module) is nn.Linear
