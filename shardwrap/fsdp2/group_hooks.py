@@ -10,8 +10,9 @@ when every module of the group has run (it hooks pre-backward on that last modul
 outputs). For modules that run one after another, backward then meets the last one's
 outputs first and the first one's inputs last, as for a single module; gradients of a
 group whose first inputs need none are reduced at the end of backward, as any such unit.
-Each root forward starts the group afresh (a module that did not run in the last one
-leaves no pass open), as FSDP2 finishes its groups with the root's forward; a second pass
+Each root forward starts the group afresh: a pass left open (a module that did not run)
+is finished first, on the last module's call, as FSDP2 finishes its groups with the root's
+forward (``GroupPass.new_forward``); a second pass
 in one root forward (a member called again, e.g. per chunk of the loss) is refused by
 name: FSDP2 gathers and frees the group again for it, which the door does not yet.
 """
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from .. import hooks
 from ..base.torch_compat import in_backward
-from ..core.unit import Unit
+from ..core.unit import TrainingState, Unit
 from ..runtime import registry
 
 NOT_YET = "is not yet supported by shardwrap.fully_shard"
@@ -45,10 +47,21 @@ class GroupPass:
         self.modules = modules
         self.waiting: set[int] = set()  # ids of the group's modules not yet run this pass
         self.passes = 0  # passes begun since the root's forward began (outside backward)
+        # The last module's call in an open pass, to finish it with: (module, args, kwargs,
+        # output, grad mode), dropped when the pass ends.
+        self.last_call: tuple | None = None
 
     def new_forward(self) -> None:
-        """The root's forward begins: a pass left unfinished (a module of the group that
-        did not run) ends here, as FSDP2 finishes its groups with the root's forward."""
+        """The root's forward begins: a pass left open (a module of the group that did not
+        run) ends here, as FSDP2 finishes its groups with the root's forward: the unit's
+        post-forward runs on the last module's call (its outputs hooked for backward, the
+        unit released by its free rule), so the next forward does not free under it what
+        the open pass's graph saved."""
+        call, self.last_call = self.last_call, None
+        if self.waiting and call is not None and self.unit.state is not TrainingState.IDLE:
+            module, args, kwargs, output, grad_mode = call
+            with torch.set_grad_enabled(grad_mode):
+                hooks.post_forward(self.unit, _runtime(self.unit), module, args, kwargs, output)
         self.waiting.clear()
         self.passes = 0
 
@@ -69,9 +82,11 @@ class GroupPass:
         self.waiting.update(id(m) for m in self.modules)
         return True
 
-    def end(self, module: nn.Module) -> bool:
-        """Whether this module's forward ends the pass (every module of the group ran)."""
+    def end(self, module: nn.Module, call: tuple) -> bool:
+        """Whether this module's forward ends the pass (every module of the group ran);
+        ``call`` (its args, kwargs, output) is kept while the pass stays open."""
         self.waiting.discard(id(module))
+        self.last_call = (module, *call, torch.is_grad_enabled()) if self.waiting else None
         return not self.waiting
 
 
@@ -85,7 +100,7 @@ def register_group_hooks(unit: Unit, modules: list[nn.Module]) -> GroupPass:
         return hooks.pre_forward(unit, _runtime(unit), module, args, kwargs)
 
     def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not group.end(module):
+        if not group.end(module, (args, kwargs, output)):
             return None
         return hooks.post_forward(unit, _runtime(unit), module, args, kwargs, output)
 

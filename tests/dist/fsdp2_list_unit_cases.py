@@ -31,8 +31,9 @@ class HeadLast(nn.Module):
 
 
 def train(rank: int, world_size: int, side: str, mode: str) -> dict:
-    """``mode``: "skip" (the head never runs: the loss is on the normed hidden state) or
-    "chunks" (the head called per chunk of the batch, after the forward). The losses and
+    """``mode``: "skip" (the head never runs: the loss is on the normed hidden state),
+    "twice" (two such forwards, then one backward of both) or "chunks" (the head called
+    per chunk of the batch, after the forward). The losses and
     full parameters, or the error."""
     shard = torch_fsdp.fully_shard if side == "torch" else shardwrap.fully_shard
     torch.manual_seed(0)
@@ -51,6 +52,8 @@ def train(rank: int, world_size: int, side: str, mode: str) -> dict:
             hidden = model(idx, skip_head=True)
             if mode == "skip":
                 loss = hidden.square().mean()
+            elif mode == "twice":  # a second forward before the backward of both
+                loss = hidden.square().mean() + model(idx.flip(0), skip_head=True).abs().mean()
             else:
                 loss = sum(model.head(c).square().mean() for c in hidden.chunk(2))
             loss.backward()
