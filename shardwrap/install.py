@@ -109,10 +109,15 @@ for _name in DSD_FUNCTIONS:
 
 def install() -> None:
     """Make torch's FSDP1 class name build shardwrap's (idempotent); see the module doc."""
+    # Every module imported, and every original taken, before any name is rebound: a module
+    # imported later would bind the rebound names at its import (torch's
+    # ``_composable.fsdp`` imports ``fully_shard`` from ``torch.distributed.fsdp``), and
+    # they would pass for torch's originals, which uninstall() then never gave back.
+    modules = {name: importlib.import_module(name) for name, _ in _REBOUND}
+    for (module_name, name), _value in _REBOUND.items():
+        _ORIGINALS.setdefault((module_name, name), getattr(modules[module_name], name))
     for (module_name, name), value in _REBOUND.items():
-        module = importlib.import_module(module_name)
-        _ORIGINALS.setdefault((module_name, name), getattr(module, name))
-        setattr(module, name, value)
+        setattr(modules[module_name], name, value)
 
 
 def uninstall() -> None:

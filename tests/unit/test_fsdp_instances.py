@@ -94,3 +94,32 @@ def test_installed_get_state_dict_refuses_what_it_cannot_honour(one_rank):
             torch_dsd.get_state_dict(model, [], submodules={model.module.body})
     finally:
         shardwrap.uninstall()
+
+
+_FIRST_INSTALL = """
+import sys
+assert "torch.distributed._composable.fsdp" not in sys.modules, "imported already"
+import shardwrap
+from torch.distributed.fsdp import _fully_shard as impl
+shardwrap.install()
+import torch.distributed._composable.fsdp as composable
+assert composable.FSDPModule is shardwrap.FSDPModule
+shardwrap.uninstall()
+print(composable.FSDPModule is impl.FSDPModule, composable.fully_shard is impl.fully_shard)
+"""
+
+
+def test_uninstall_gives_back_torch_names_a_module_first_imported_by_install_held():
+    """A fresh interpreter where torch's ``_composable.fsdp`` is first imported by
+    ``install()``: it binds ``torch.distributed.fsdp``'s names at its import, so install()
+    took shardwrap's (already rebound there) for torch's originals, and uninstall() left
+    them in place: torch's own FSDP2 run after it in the same process averaged gradients
+    under torchtitan (its isinstance check saw shardwrap's class). Control (run once, the
+    old install()): "False False"."""
+    import subprocess
+    import sys
+
+    found = subprocess.run(
+        [sys.executable, "-c", _FIRST_INSTALL], capture_output=True, text=True, check=True
+    )
+    assert found.stdout.split() == ["True", "True"], found
