@@ -113,7 +113,7 @@ def install() -> None:
     # imported later would bind the rebound names at its import (torch's
     # ``_composable.fsdp`` imports ``fully_shard`` from ``torch.distributed.fsdp``), and
     # they would pass for torch's originals, which uninstall() then never gave back.
-    modules = {name: importlib.import_module(name) for name, _ in _REBOUND}
+    modules = {module_name: importlib.import_module(module_name) for module_name, _ in _REBOUND}
     for (module_name, name), _value in _REBOUND.items():
         _ORIGINALS.setdefault((module_name, name), getattr(modules[module_name], name))
     for (module_name, name), value in _REBOUND.items():

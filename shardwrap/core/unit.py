@@ -66,8 +66,9 @@ class Unit:
         # reshard_after_forward, as one with grad does; False: it frees ([Note: a forward
         # without grad on the FSDP2 door] in runtime/free_rule.py).
         self.no_grad_follows_reshard_setting = False
-        # True: the gathered buffer is never freed, only the shard shown (FSDP2's
-        # set_keep_unsharded_storage: the full views keep their storage and data pointers).
+        # True: where the unit would free its gathered buffer it keeps the storage, its
+        # values stale (FSDP2's set_keep_unsharded_storage: the full views keep their
+        # storage and data pointers; every unshard still gathers).
         self.keeps_full_storage = False
 
     def __repr__(self) -> str:

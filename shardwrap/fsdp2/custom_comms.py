@@ -17,8 +17,7 @@ from typing import Any
 from torch import nn
 
 from ..comm.user_comms import check_user_comm
-from ..flat_param import FlatParamHandle
-from .state import state_of
+from .state import unit_of
 
 
 def _refuse(method: str, unit: str, why: str) -> None:
@@ -27,18 +26,10 @@ def _refuse(method: str, unit: str, why: str) -> None:
     )
 
 
-def _handle_for(module: nn.Module) -> FlatParamHandle | None:
-    """The handle of ``module``'s unit (None: no parameters)."""
-    state = state_of(module)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__}: fully_shard was not called on it")
-    return state.unit.handle
-
-
 def set_all_gather(module: nn.Module, comm: Any) -> None:
     """``module``'s unit gathers its parameters with ``comm`` from now on."""
     comm = check_user_comm("comm", comm)
-    handle = _handle_for(module)
+    handle = unit_of(module).handle
     if handle is None:
         return
     quant = handle.comm_quant
@@ -58,7 +49,7 @@ def set_all_gather(module: nn.Module, comm: Any) -> None:
 def set_reduce_scatter(module: nn.Module, comm: Any) -> None:
     """``module``'s unit reduce-scatters its gradients with ``comm`` from now on."""
     comm = check_user_comm("comm", comm)
-    handle = _handle_for(module)
+    handle = unit_of(module).handle
     if handle is None:
         return
     if handle.grads.grad_codec is not None:  # defensive, as for qwZ above

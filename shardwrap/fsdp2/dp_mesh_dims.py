@@ -31,26 +31,24 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..base.torch_compat import fsdp2_translates_spmd_types
+from .fully_shard_args import NOT_YET
 
-NOT_YET = "is not yet supported by shardwrap.fully_shard"
 
-
-def resolve_dp_mesh(mesh: object, dp_mesh_dims: object, params: Iterable[nn.Parameter]):
-    """The mesh the door shards over: ``mesh`` itself, checked against ``dp_mesh_dims``
-    and the call's ``params`` ([Note: dp_mesh_dims on the door]); ``mesh`` as given when
-    ``dp_mesh_dims`` is None."""
+def check_dp_mesh_dims(mesh: object, dp_mesh_dims: object, params: Iterable[nn.Parameter]):
+    """Refuse ``mesh``, ``dp_mesh_dims`` and the call's ``params`` where the door would not
+    shard as FSDP2 does ([Note: dp_mesh_dims on the door]); where it does, the mesh itself
+    is the one to shard over, as without ``dp_mesh_dims``."""
     params = list(params)
     if dp_mesh_dims is None:
         if fsdp2_translates_spmd_types():
             _refuse_annotated_without_dims(params)
-        return mesh
+        return
     shard, replicate = _dims(dp_mesh_dims)
     names = _mesh_names(mesh, shard + replicate)
     if not fsdp2_translates_spmd_types():
         _refuse_plain_as_torch_does(params)
     _check_axes(names, shard, replicate)
     _check_params(mesh, params)
-    return mesh
 
 
 def _dims(dp_mesh_dims: object) -> tuple[tuple[str, ...], tuple[str, ...]]:

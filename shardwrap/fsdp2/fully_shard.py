@@ -28,7 +28,7 @@ from ..comm.mesh import data_parallel_mesh
 from ..layout.shard_layout import ShardLayout
 from ..options import CommQuantization, ShardingStrategy
 from .assign_load import register_assign_hooks
-from .dp_mesh_dims import resolve_dp_mesh
+from .dp_mesh_dims import check_dp_mesh_dims
 from .dtensor_views import install_dtensor_views
 from .fully_shard_args import (
     UnitOptions,
@@ -86,7 +86,7 @@ def fully_shard(
     # also makes new parameters, without their spmd_types annotations).
     own = [p for member in members for p in _own_params(member, options.ignored_params)]
     _check_not_taken(members, own)
-    mesh = resolve_dp_mesh(mesh, dp_mesh_dims, own)
+    check_dp_mesh_dims(mesh, dp_mesh_dims, own)
     # The unit's module: the one given, or a container of the list (outside the tree).
     target = members[0] if len(members) == 1 else nn.ModuleList(members)
     device = next((p.device for p in target.parameters()), None)

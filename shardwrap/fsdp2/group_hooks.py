@@ -28,8 +28,7 @@ from .. import hooks
 from ..base.torch_compat import in_backward
 from ..core.unit import TrainingState, Unit
 from ..runtime import registry
-
-NOT_YET = "is not yet supported by shardwrap.fully_shard"
+from .fully_shard_args import NOT_YET
 
 
 def _runtime(unit: Unit):

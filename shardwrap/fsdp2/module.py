@@ -23,7 +23,7 @@ from .custom_comms import set_all_gather, set_reduce_scatter
 from .finalization import GradientReductionHandle, finalize, keep_storage, set_manual
 from .meta_init import apply_to_shards, hide_shards
 from .replicas import set_all_reduce, set_force_sum, set_hook
-from .state import runtime_for, state_of
+from .state import runtime_for, state_of, unit_of
 
 _CLASSES: dict[type, type] = {}
 # FSDP<Name> -> <Name>, for FSDPModule.__new__.
@@ -38,14 +38,7 @@ class UnshardHandle:
 
     def wait(self) -> None:
         """Wait for the all-gather and show the full parameters on the module."""
-        runtime_for(self._module).unshard_unit(_unit(self._module))
-
-
-def _unit(module: nn.Module) -> Unit:
-    state = state_of(module)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__}: fully_shard was not called on it")
-    return state.unit
+        runtime_for(self._module).unshard_unit(unit_of(self._module))
 
 
 def _prefetch_targets(name: str, modules: object) -> tuple[Unit, ...]:
@@ -58,7 +51,7 @@ def _prefetch_targets(name: str, modules: object) -> tuple[Unit, ...]:
                 f"{name}: expected FSDPModules (modules fully_shard was called on), got "
                 f"{type(module).__name__}"
             )
-    return tuple(_unit(module) for module in modules)
+    return tuple(unit_of(module) for module in modules)
 
 
 def _refused(name: str, why: str):
@@ -99,13 +92,13 @@ class FSDPModule:
         only issue the all-gather and return a handle whose ``wait()`` completes it."""
         module: Any = self
         wait = not check_bool("async_op", async_op)
-        runtime_for(module).unshard_unit(_unit(module), wait=wait)
+        runtime_for(module).unshard_unit(unit_of(module), wait=wait)
         return None if wait else UnshardHandle(module)
 
     def reshard(self) -> None:
         """Free this module's gathered parameters and show the shards (DTensors) again."""
         module: Any = self
-        runtime_for(module).reshard_unit(_unit(module))
+        runtime_for(module).reshard_unit(unit_of(module))
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -164,7 +157,7 @@ class FSDPModule:
         """``nn.Module._apply`` (``to_empty``, ``to``) with this unit's shard views kept the
         engine's storage ([Note: meta-device modules on the FSDP2 door] in ``meta_init.py``)."""
         module: Any = self
-        unit = _unit(module)
+        unit = unit_of(module)
         handle = unit.handle
         if handle is None:
             return super()._apply(fn, recurse)  # type: ignore[misc]
@@ -181,19 +174,19 @@ class FSDPModule:
         is gathered for forward, instead of the schedule's choice ([Note: explicit
         prefetch] in runtime/schedule.py)."""
         targets = _prefetch_targets("set_modules_to_forward_prefetch", modules)
-        _unit(self).set_prefetch_targets(forward=True, targets=targets)  # type: ignore[arg-type]
+        unit_of(self).set_prefetch_targets(forward=True, targets=targets)  # type: ignore[arg-type]
 
     def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
         """Issue the all-gathers of ``modules`` (FSDPModules, in order) once this module
         is gathered for backward, instead of the next unit in backward order ([Note:
         explicit prefetch] in runtime/schedule.py)."""
         targets = _prefetch_targets("set_modules_to_backward_prefetch", modules)
-        _unit(self).set_prefetch_targets(forward=False, targets=targets)  # type: ignore[arg-type]
+        unit_of(self).set_prefetch_targets(forward=False, targets=targets)  # type: ignore[arg-type]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's unit's summed gradients by ``factor`` instead of the mesh
         size (1.0: the sum, as torchtitan asks of FSDP2 when it scales the loss itself)."""
-        handle = _unit(self).handle  # type: ignore[arg-type]
+        handle = unit_of(self).handle  # type: ignore[arg-type]
         if handle is not None:  # a unit without parameters reduces nothing
             handle.grads.set_divide_factor(factor)
 
@@ -212,7 +205,7 @@ class FSDPModule:
         whose backward needs its parameters' shapes only (an embedding): no all-gather in
         backward, its gradients reduced as usual ([Note: units not gathered for backward]
         in runtime/step.py)."""
-        _unit(self).set_unshard_in_backward(  # type: ignore[arg-type]
+        unit_of(self).set_unshard_in_backward(  # type: ignore[arg-type]
             check_bool("unshard_in_backward", unshard_in_backward)
         )
 

@@ -50,12 +50,18 @@ def set_state(module: nn.Module, state: DoorUnit) -> None:
     module.__dict__[_ATTRIBUTE] = state
 
 
-def runtime_for(module: nn.Module) -> StepRuntime:
-    """The runtime of the root that owns ``module``'s unit."""
+def unit_of(module: nn.Module) -> Unit:
+    """The unit ``fully_shard(module)`` made; ``RuntimeError`` if it was not called on it."""
     state = state_of(module)
     if state is None:
         raise RuntimeError(f"{type(module).__name__}: fully_shard was not called on it")
-    runtime = registry.runtime_of(state.unit)
+    return state.unit
+
+
+def runtime_for(module: nn.Module) -> StepRuntime:
+    """The runtime of the root that owns ``module``'s unit."""
+    unit = unit_of(module)
+    runtime = registry.runtime_of(unit)
     if runtime is None:
-        raise RuntimeError(f"unit {state.unit.name!r} is not attached to a root")
+        raise RuntimeError(f"unit {unit.name!r} is not attached to a root")
     return runtime
