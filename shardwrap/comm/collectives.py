@@ -107,18 +107,19 @@ class Communicator:
         return self._timed(work, start)
 
     def reduce_scatter(
-        self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit: str = ""
+        self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit="", gaps=()
     ):
         """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``.
 
-        ``in_full`` must stay unchanged until the wait.
-        """
+        ``in_full`` must stay unchanged until the wait. ``gaps``: the paddings a peer's
+        layout of this rank's slice has (on gloo: [Note: gloo's sum order])."""
         if self.size == 1:
             out_shard.copy_(in_full)
             return _DoneWork()
         start = self._record("reduce_scatter", purpose, in_full, unit)
         if self._pairwise(in_full):
-            work = pairwise.reduce_scatter(self.group, self.rank, self.size, out_shard, in_full)
+            args = (self.group, self.rank, self.size, out_shard, in_full, gaps)
+            work = pairwise.reduce_scatter(*args)
             return self._timed(work, start)
         work = dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True

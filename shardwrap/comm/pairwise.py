@@ -18,8 +18,9 @@ caller's tensor, and receives:
 
 * all-gather: each peer's shard straight into its slice of the output;
 * reduce-scatter: each peer's contribution to this rank's slice into one buffer per peer;
-  on wait the contributions are summed in rank order, so a two-rank sum is ``a + b`` on
-  either rank, bit for bit what a ring all-reduce gives.
+  on wait the contributions are summed in the order torch's gloo collective adds them
+  ([Note: gloo's sum order] in ``comm/sum_order.py``), so the sum is torch's bit for bit
+  at any number of ranks.
 
 Each rank sends (N-1)/N of the buffer, the bytes a ring sends. Sends and receives of one
 collective share a tag taken from a per-group counter; every rank issues collectives on a
@@ -39,7 +40,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from . import posting
+from . import posting, sum_order
 
 _FIRST_TAG = 1 << 24
 _NUM_TAGS = (1 << 31) - _FIRST_TAG
@@ -88,9 +89,15 @@ def all_gather(
 
 
 def reduce_scatter(
-    group: dist.ProcessGroup, rank: int, size: int, out_shard: torch.Tensor, in_full: torch.Tensor
+    group: dist.ProcessGroup,
+    rank: int,
+    size: int,
+    out_shard: torch.Tensor,
+    in_full: torch.Tensor,
+    reference_gaps: tuple[tuple[int, int], ...] = (),
 ) -> PairwiseWork:
-    """The sum over ranks of ``in_full``'s slice ``rank``, into ``out_shard``.
+    """The sum over ranks of ``in_full``'s slice ``rank``, into ``out_shard``, added in
+    gloo's order ([Note: gloo's sum order]; ``reference_gaps`` as there).
 
     ``in_full`` is only read, and must stay unchanged until the wait.
     """
@@ -106,10 +113,15 @@ def reduce_scatter(
         for peer in range(size)
     ]
 
+    runs = sum_order.sum_runs(rank, size, slices.shape[1], in_full.element_size(), reference_gaps)
+
     def finish() -> None:
-        torch.add(contributions[0], contributions[1], out=out_shard.view(-1))
-        for contribution in contributions[2:]:
-            out_shard.view(-1).add_(contribution)
+        out = out_shard.view(-1)
+        for run in runs:
+            terms = [contributions[peer][run.start : run.end] for peer in run.order]
+            torch.add(terms[0], terms[1], out=out[run.start : run.end])
+            for term in terms[2:]:
+                out[run.start : run.end].add_(term)
 
     return PairwiseWork(posted, finish)
 

@@ -106,6 +106,7 @@ class UnitGrads:
             self.grad_slots.piece_in_chunk(index, self.shard_comm.rank)
             for index in range(len(self.layout.params))
         ]
+        self._reference_gaps = self.layout.reference_gaps(self.shard_comm.rank)  # sum order
         # How one split_with_sizes cuts the chunk into those pieces.
         self._chunk_split = chunk_split(self._reduced_pieces, self.grad_slots.chunk_numel)
         # Reduced gradient of this backward, waiting for the presence vote (1D, a chunk).
@@ -199,6 +200,7 @@ class UnitGrads:
             purpose="grads",
             unit=self.comm_label,
             codec=self.grad_codec,
+            gaps=self._reference_gaps,
         )
         self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
 

@@ -131,6 +131,20 @@ class ChunkLayout:
         in shard order (their pieces then cover the parameter in element order)."""
         return tuple((rank, self.pieces(rank)[index]) for rank in self.owners(index))
 
+    def reference_gaps(self, shard_index: int) -> tuple[tuple[int, int], ...]:
+        """Where FSDP2's gradient reduce-scatter pads chunk ``shard_index`` and the packed
+        one ([Note: packed gradients]) does not: FSDP2 pads every trainable parameter's
+        chunk to shard 0's, the packed chunk only at its end. ``(offset, length)`` in
+        FSDP2's chunk, for the sum order of [Note: gloo's sum order] in comm/sum_order.py."""
+        gaps, offset = [], 0
+        pieces = zip(self.params, self.pieces(0), self.pieces(shard_index), strict=True)
+        for info, first, own in pieces:
+            if info.requires_grad:
+                if own.numel < first.numel:
+                    gaps.append((offset + own.numel, first.numel - own.numel))
+                offset += first.numel
+        return tuple(gaps)
+
     def owners(self, param_index: int) -> tuple[int, ...]:
         """Shard indices that hold at least one element of parameter ``param_index``."""
         if self.params[param_index].numel == 0:

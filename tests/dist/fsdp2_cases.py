@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardwrap
+from shardwrap.comm import sum_order
 from shardwrap.fsdp2.state import state_of
 from tests import tolerances
 
@@ -55,11 +57,17 @@ class Block(nn.Module):
 
 
 class TinyModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, lead_gain: bool = False) -> None:
         super().__init__()
+        # lead_gain: a (1, 2) output gain, the root unit's first parameter, then the norm
+        # (dense gradients where the gain's padding moves the chunk's start; see Script).
+        self.gain = nn.Parameter(torch.full((1, 2), 0.5)) if lead_gain else None
+        if lead_gain:
+            self.norm = nn.LayerNorm(DIM)
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.norm = nn.LayerNorm(DIM)
+        if not lead_gain:
+            self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, OUT)  # 4 rows: empty on rank 2 of 3
         self.gate = nn.Linear(DIM, 1)  # bias of 1 row: empty on rank 1 of 2
 
@@ -67,7 +75,8 @@ class TinyModel(nn.Module):
         x = self.norm(self.embed(idx))
         for block in self.blocks:
             x = block(x)
-        return self.head(x) * torch.sigmoid(self.gate(x))
+        out = self.head(x) * torch.sigmoid(self.gate(x))
+        return out if self.gain is None else out * self.gain.sum()
 
 
 def sharded_tiny(side: str, world_size: int) -> TinyModel:
@@ -149,6 +158,10 @@ class Script:
     # "forward" / "backward": step FAILED_STEP first runs a pass that raises in block 0's
     # forward / backward, then recovers as FSDP2 says (reset_iter_state, zero_grad).
     fail_in: str | None = None
+    # A (1, 2) gain first in the root unit: at 3 ranks FSDP2 pads its empty chunks at the
+    # start of ranks 1's and 2's gradient chunks, where gloo's ring blocks overlap the
+    # slices ([Note: gloo's sum order]), and the unit's 173 elements a rank make them overlap.
+    lead_gain: bool = False
 
 
 def mp_policies(script: Script) -> tuple[dict, dict]:
@@ -170,7 +183,7 @@ def run_script(
 ) -> Record:
     """The FSDP2 client script, with ``shard`` as its ``fully_shard``."""
     torch.manual_seed(0)
-    model = TinyModel()
+    model = TinyModel(script.lead_gain)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     block_kw, root_kw = mp_policies(script)
     if script.ignored:
@@ -260,7 +273,7 @@ def _read_grads(model: nn.Module, sharded: list, idx, target, record: Record) ->
     the largest element of the ``sharded`` parameters' reduced gradients (before clipping)."""
     full = {n: _plain(p.detach()).float() for n, p in model.named_parameters()}
     largest = max(float(_plain(p.grad).abs().max()) for p in sharded)
-    plain = TinyModel()
+    plain = TinyModel(lead_gain="gain" in full)
     plain.load_state_dict(full)
     loss = F.cross_entropy(plain(idx).reshape(-1, OUT), target.reshape(-1))
     grads = torch.autograd.grad(loss, list(plain.parameters()))
@@ -378,9 +391,13 @@ CONTROLS = {
 def both(
     rank: int, world_size: int, script: Script = Script(), control: str | None = None
 ) -> tuple[Record, Record]:
-    """torch's run, then shardwrap's (or the negative control named ``control``'s)."""
+    """torch's run, then shardwrap's (or the negative control named ``control``'s;
+    ``"rank_order"``: gloo reduce-scatters summed in rank order)."""
     reference = torch_run(rank, world_size, script)
     dist.barrier()
+    if control == "rank_order":  # the sum order before [Note: gloo's sum order]
+        with mock.patch.object(sum_order, "ring_order", lambda _, size: tuple(range(size))):
+            return reference, run_script(shardwrap.fully_shard, rank, world_size, script)
     shard = shardwrap.fully_shard if control is None else CONTROLS[control]
     return reference, run_script(shard, rank, world_size, script)
 

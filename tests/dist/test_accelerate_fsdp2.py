@@ -161,6 +161,15 @@ def test_accelerate_fsdp2_equals_torch_fsdp2_bit_for_bit(case, tmp_path):
         assert found == [], f"rank {rank}: {found[:8]}"
 
 
+def test_accelerate_fsdp2_on_three_ranks_equals_torch_fsdp2_bit_for_bit(tmp_path):
+    """Three terms per gradient sum, in gloo's order ([Note: gloo's sum order]).
+    Negative control (run once): the door's sums in rank order, 86 to 168 differences."""
+    kind, options = CASES["llama_sharded_state_dict"]
+    for rank, out in enumerate(run_ranks(ac.runs, 3, kind, options, str(tmp_path))):
+        found = all_differences(out)
+        assert found == [], f"rank {rank}: {found[:8]}"
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_accelerate_fsdp2_settings_equal_torch_fsdp2_bit_for_bit(variant):
     kind, options = VARIANTS[variant]
@@ -185,8 +194,11 @@ def test_what_the_door_cannot_honour_is_refused_by_name(refused):
         assert message.startswith("ValueError") and name in message, (rank, message)
 
 
-def test_trainer_fsdp2_equals_torch_fsdp2_and_resumes_bit_for_bit(tmp_path):
-    for rank, out in enumerate(run_ranks(ac.trainer_runs, 2, str(tmp_path))):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_trainer_fsdp2_equals_torch_fsdp2_and_resumes_bit_for_bit(world_size, tmp_path):
+    """At 3 ranks the sums follow gloo's order ([Note: gloo's sum order]); negative
+    control (run once): the door's sums in rank order, 23 parameters apart per run."""
+    for rank, out in enumerate(run_ranks(ac.trainer_runs, world_size, str(tmp_path))):
         torch_run = out["torch"]
         assert len(torch_run["losses"]) == 2 * hf.STEPS and torch_run["params"], rank
         assert [out[run]["door"] for run in out] == [False, True, True, True], rank

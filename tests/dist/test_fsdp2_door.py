@@ -44,6 +44,7 @@ from tests.tolerances import REORDER_SAFE_ADAMW
 EXACT = fc.Script()
 ACCUMULATING = fc.Script(microbatches=2)
 LISTS = fc.Script(mlp_as_list=True)
+LEAD_GAIN = fc.Script(lead_gain=True)
 # Negative control (run once): set_gradient_divide_factor a no-op fails it (grad norm).
 SUMMED = fc.Script(sum_gradients=True)
 # Mixed precision, each call's policy: (param_dtype, reduce_dtype, output_dtype, cast_inputs).
@@ -109,16 +110,29 @@ def test_two_ranks_equal_torch_fsdp2_bit_for_bit(script):
         assert found == [], f"rank {rank}: {found[:8]}"
 
 
-def test_three_ranks_equal_torch_fsdp2_within_reordering_bounds():
-    for rank, found in enumerate(run_ranks(fc.compare, 3, REORDER_SAFE, REORDERED, None)):
+@pytest.mark.parametrize(
+    "script",
+    [EXACT, ACCUMULATING, LISTS, LEAD_GAIN],
+    ids=["adamw", "accumulate", "list_unit", "padded_chunk_first"],
+)
+def test_three_ranks_equal_torch_fsdp2_bit_for_bit(script):
+    """Three terms: the door adds them in gloo's order ([Note: gloo's sum order]), each
+    element in the order of its position in FSDP2's padded chunk (LEAD_GAIN puts padding
+    where the order changes; its few elements there happened to sum alike either way, so
+    that part's control is tests/dist/test_pairwise.py's). Negative control (in the
+    suite): the sums in rank order, as before."""
+    for rank, found in enumerate(run_ranks(fc.compare, 3, script, None, None)):
         assert found == [], f"rank {rank}: {found[:8]}"
+
+
+def test_negative_control_three_ranks_summed_in_rank_order_differ():
+    for found in run_ranks(fc.compare, 3, EXACT, None, "rank_order"):
+        assert found, "rank order matched torch's gloo order"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_negative_control_undivided_gradients_differ(world_size):
-    tol = None if world_size == 2 else REORDERED
-    script = EXACT if world_size == 2 else REORDER_SAFE
-    for found in run_ranks(fc.compare, world_size, script, tol, "undivided"):
+    for found in run_ranks(fc.compare, world_size, EXACT, None, "undivided"):
         assert any("grad norm" in line for line in found), found[:8]
 
 

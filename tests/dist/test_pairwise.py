@@ -5,6 +5,7 @@ See [Note: pairwise collectives on gloo] in ``shardwrap/comm/pairwise.py``.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -21,13 +22,6 @@ SHARD_NUMEL = 7
 def _inputs(rank: int, size: int, dtype: torch.dtype) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 + rank)
     return torch.randn(size * SHARD_NUMEL, generator=generator).to(dtype)
-
-
-def _rank_order_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    total = tensors[0] + tensors[1]
-    for tensor in tensors[2:]:
-        total = total + tensor
-    return total
 
 
 def _check_group(comm: Communicator, group, dtype: torch.dtype) -> dict:
@@ -49,9 +43,8 @@ def _check_group(comm: Communicator, group, dtype: torch.dtype) -> dict:
         work.wait()
     every_shard = torch.empty(size * SHARD_NUMEL, dtype=dtype)
     dist.all_gather_single(every_shard, shard, group=group)
-    every_full = [torch.empty_like(full) for _ in range(size)]
-    dist.all_gather(every_full, full, group=group)
-    expected = _rank_order_sum([f.view(size, -1)[rank] for f in every_full])
+    expected = torch.empty(SHARD_NUMEL, dtype=dtype)
+    dist.reduce_scatter_tensor(expected, full.clone(), group=group)
     # An all-gather into the output's own slice (no copy of the shard).
     in_place = torch.empty(size * SHARD_NUMEL, dtype=dtype)
     in_place.view(size, -1)[rank].copy_(shard)
@@ -115,3 +108,72 @@ def test_pairwise_collectives_match_torch(world_size: int) -> None:
             assert result["sub"] == all_true
             # Records carry the full buffer's bytes, as torch's collectives do.
             assert result["records"] == [("all_gather", fp32), ("reduce_scatter", fp32)]
+
+
+# Slice lengths where gloo's ring blocks run past the slices (7: into the next slice by one
+# element at 3 ranks; 1,000,001: several segments per rank) and where they align (64).
+SUM_ORDER_NUMELS = (7, 64, 1_000_001)
+
+
+def _spread(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values over many binades, so that another order of the sum changes its bits."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=generator)
+    return (values * torch.exp(4 * torch.randn(numel, generator=generator))).to(dtype)
+
+
+def _peer_gaps(slice_index: int) -> tuple[tuple[int, int], ...]:
+    """The paddings a peer's layout puts inside slice ``slice_index`` (none in slice 0),
+    the first at the slice's start, where gloo's blocks overlap the slices."""
+    return ((0, slice_index), (3 + slice_index, 2)) if slice_index else ()
+
+
+def _with_gaps(values: torch.Tensor, gaps: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """``values`` laid out with zeros at ``gaps`` (offsets in the result)."""
+    out, taken, position = [], 0, 0
+    for offset, length in gaps:
+        out += [values[taken : taken + offset - position], values.new_zeros(length)]
+        taken += offset - position
+        position = offset + length
+    return torch.cat([*out, values[taken:]])
+
+
+def _sum_order_worker(rank: int, world_size: int, use_gaps: bool) -> list:
+    """Where the pairwise reduce-scatter differs from torch's gloo collective: plainly,
+    and with a peer layout padded inside the slices against the packed one (``gaps``)."""
+    world = Communicator(dist.group.WORLD, CommLedger())
+    differs = []
+    for numel, dtype in itertools.product(SUM_ORDER_NUMELS, (torch.float32, torch.bfloat16)):
+        full = _spread(rank, world_size * numel, dtype)
+        ours, theirs = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        world.reduce_scatter(ours, full, purpose="grads").wait()
+        dist.reduce_scatter_tensor(theirs, full.clone())
+        if not torch.equal(ours, theirs):
+            differs.append(("plain", numel, str(dtype)))
+        gaps = [_peer_gaps(s) for s in range(world_size)]
+        real = [numel - sum(length for _, length in g) for g in gaps]
+        values = [_spread(1000 * rank + s, real[s], dtype) for s in range(world_size)]
+        peer = torch.cat([_with_gaps(v, g) for v, g in zip(values, gaps, strict=True)])
+        packed = torch.cat([torch.cat([v, v.new_zeros(numel - v.numel())]) for v in values])
+        own_gaps = gaps[rank] if use_gaps else ()
+        world.reduce_scatter(ours, packed, purpose="grads", gaps=own_gaps).wait()
+        dist.reduce_scatter_tensor(theirs, peer)
+        kept = _with_gaps(torch.ones(real[rank]), gaps[rank]).bool()
+        if not torch.equal(ours[: real[rank]], theirs[kept]):
+            differs.append(("gaps", numel, str(dtype)))
+    return differs
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_reduce_scatter_adds_in_gloos_order(world_size: int) -> None:
+    """[Note: gloo's sum order]: equal to torch's gloo reduce-scatter bit for bit, with
+    and without a peer's paddings (at 2 ranks any order is exact, so 3 and 4)."""
+    for rank, differs in enumerate(run_ranks(_sum_order_worker, world_size, True)):
+        assert differs == [], f"rank {rank}"
+
+
+def test_negative_control_peer_gaps_ignored_differ() -> None:
+    """The peer's paddings not given: the elements they shift are summed in the wrong
+    block's order (rank 2's first at 3 ranks)."""
+    differs = [d for found in run_ranks(_sum_order_worker, 3, False) for d in found]
+    assert differs and all(kind == "gaps" for kind, _, _ in differs), differs

@@ -96,6 +96,17 @@ def test_torchtitan_fsdp2_on_shardwrap_equals_torch_fsdp2_bit_for_bit() -> None:
     check_with_control("partial_dtensor")
 
 
+def test_torchtitan_fsdp2_on_three_ranks_equals_torch_fsdp2_bit_for_bit() -> None:
+    """Three terms per gradient sum, added in gloo's order ([Note: gloo's sum order]).
+    Negative control (run once): the door's sums in rank order, as before that note:
+    12 or 13 differences per rank."""
+    doors = ("torch", "shardwrap")
+    for rank, out in enumerate(run_ranks(tc.runs, 3, doors, "partial_dtensor", False)):
+        door_checks(rank, out["torch"], out["shardwrap"])
+        found = differences(out["torch"], out["shardwrap"])
+        assert found == [], (rank, found[:4])
+
+
 def test_torchtitan_tied_embeddings_on_shardwrap_equal_torch_fsdp2_bit_for_bit() -> None:
     """Weight tying (torchtitan's 1B and 3B flavors): the embedding, the final norm and the
     output projection, which share a weight, are one list unit."""

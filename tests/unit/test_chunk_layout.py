@@ -193,3 +193,24 @@ def test_negative_control_shards_gathered_out_of_order_do_not_round_trip():
     params = [torch.randn(5, 2), torch.randn(3)]
     assert gather_round_trip(layout, params, [0, 1, 2])
     assert not gather_round_trip(layout, params, [1, 0, 2])
+
+
+@given(named, st.integers(1, 5), st.data())
+def test_reference_gaps_are_fsdp2s_chunk_padding(entries, num_shards, data):
+    """FSDP2's gradient chunk ``r``, built with ``torch.chunk``: each trainable parameter's
+    chunk padded to rank 0's; the padding's positions are the reference gaps'. Negative
+    control (run once): frozen parameters counted too fails it."""
+    layout = build(entries, num_shards)
+    rank = data.draw(st.integers(0, num_shards - 1))
+    padded = []
+    for i, (shape, grad) in enumerate(entries):
+        if not grad:
+            continue
+        rows = torch.empty(shape).reshape(shape or (1,))  # a scalar is one row of one
+        # torch.chunk returns fewer chunks where the rows run out; FSDP2 pads the list
+        sizes = [c.numel() for c in rows.chunk(num_shards)]
+        sizes += [0] * num_shards
+        padded += [i] * sizes[rank] + [None] * (sizes[0] - sizes[rank])
+    gaps = layout.reference_gaps(rank)
+    positions = [offset + k for offset, length in gaps for k in range(length)]
+    assert positions == [p for p, owner in enumerate(padded) if owner is None]
