@@ -250,6 +250,37 @@ def _sw_fully_shard(model: nn.Module, **_) -> TorchTrainer:
     return TorchTrainer(model)
 
 
+def _landing_gathers(trainer: TorchTrainer) -> TorchTrainer:
+    """The door with its chunk gathers landing in rank order and copied out, as before
+    [Note: placed all-gathers] (core/chunk_copy.py): the experiment's before-row."""
+    from shardwrap.fsdp2.state import state_of
+
+    for module in trainer.model.modules():
+        state = state_of(module)
+        if state is not None and state.unit.handle is not None:
+            state.unit.handle.shard_comm.gathers_placed = False
+    return trainer
+
+
+def _example_prefetch(model: nn.Module) -> None:
+    """torch's FSDP2 example's explicit prefetch: the root gathers block 0 in forward,
+    each block the next in forward and the previous in backward."""
+    blocks = list(model.blocks)
+    model.set_modules_to_forward_prefetch(blocks[:1])
+    for index, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 2])
+        block.set_modules_to_backward_prefetch(blocks[max(index - 1, 0) : index])
+
+
+def _prefetching(build: Callable[..., TorchTrainer]) -> Callable[..., TorchTrainer]:
+    def prefetching(model: nn.Module, **kwargs) -> TorchTrainer:
+        trainer = build(model, **kwargs)
+        _example_prefetch(trainer.model)
+        return trainer
+
+    return prefetching
+
+
 def _ddp(model: nn.Module, **_) -> TorchTrainer:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -381,6 +412,16 @@ IMPLS: dict[str, ImplSpec] = {
         ImplSpec("fsdp2", "fsdp2", 3, _fsdp2),
         # shardwrap's FSDP2 door (issue 29): torch's FSDP2 script with shardwrap.fully_shard
         ImplSpec("sw_fully_shard", "shardwrap", 3, _sw_fully_shard),
+        # Experiments (RESULTS.md): the door's gathers landing in rank order, as before
+        # [Note: placed all-gathers]; both FSDP2s with torch's example's explicit prefetch.
+        ImplSpec(
+            "sw_fully_shard_landing",
+            "shardwrap",
+            3,
+            lambda model, **kw: _landing_gathers(_sw_fully_shard(model, **kw)),
+        ),
+        ImplSpec("sw_fully_shard_prefetch", "shardwrap", 3, _prefetching(_sw_fully_shard)),
+        ImplSpec("fsdp2_prefetch", "fsdp2", 3, _prefetching(_fsdp2)),
         ImplSpec("ds_zero1", "deepspeed", 1, _deepspeed(1)),
         ImplSpec("ds_zero2", "deepspeed", 2, _deepspeed(2)),
         ImplSpec("ds_zero3", "deepspeed", 3, _deepspeed(3)),

@@ -55,7 +55,7 @@ from .base.pages import release_resident
 from .base.torch_compat import preserve_version_counter
 from .comm.collectives import ROOT_LABEL, Communicator
 from .comm.user_comms import UserComms, gather_params
-from .core.chunk_copy import copy_out, landing_for, place_gathered, take_shard
+from .core.chunk_copy import copy_out, gather_full, landing_for, place_gathered, take_shard
 from .core.comm_quant import UnitCommQuant
 from .core.grads import UnitGrads
 from .core.pending_gather import PendingGather
@@ -293,17 +293,16 @@ class FlatParamHandle:
                 )
             self._pending = PendingGather(work, version, guard, shard, staged, landing)
             return
-        landing = landing_for(self.layout, self.flat_full)  # None: they land in flat_full
-        target = self.flat_full if landing is None else landing
         with guard:
             if self.comm_quant is not None:
+                landing = landing_for(self.layout, self.flat_full)  # None: into flat_full
+                target = self.flat_full if landing is None else landing
                 work = self.comm_quant.gather(
                     self.shard_comm, target, shard, version=version, unit=self.comm_label
                 )
             else:
-                work = self.shard_comm.all_gather(
-                    target, shard, purpose="params", unit=self.comm_label
-                )
+                args = (self.shard_comm, self.layout, self.flat_full, shard)
+                work, landing = gather_full(*args, unit=self.comm_label)
         self._pending = PendingGather(work, version, guard, shard, staged, landing)
 
     def _finish_gather(self) -> None:

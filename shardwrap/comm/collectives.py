@@ -1,5 +1,5 @@
 """The only module that calls ``torch.distributed`` collectives (with :mod:`.pairwise`, its
-point-to-point half on gloo).
+point-to-point half on gloo, and :mod:`.object_collectives`, its Python-object half).
 
 Every collective shardwrap issues goes through a :class:`Communicator`, which records
 its kind and payload bytes in a :class:`CommLedger`. Tests count traffic there, and a
@@ -9,14 +9,12 @@ not recorded, because nothing is moved.
 
 from __future__ import annotations
 
-import pickle
 import time
 
 import torch
 import torch.distributed as dist
 
 from ..base import at_exit
-from ..base.gc_pause import gc_paused
 from . import pairwise
 from .checks import (
     CollectiveChecker,
@@ -25,6 +23,7 @@ from .checks import (
     RankDisagreementError,
 )
 from .ledger import CommLedger, CommRecord
+from .object_collectives import ObjectCollectives
 
 __all__ = [
     "CollectiveChecker",
@@ -50,7 +49,7 @@ class _DoneWork:
         return True
 
 
-class Communicator:
+class Communicator(ObjectCollectives):
     """Collectives over one process group, recorded in ``ledger``.
 
     ``group=None`` means a group of just this process (no network at all).
@@ -73,6 +72,7 @@ class Communicator:
         self.host_capable = backend is None or backend_handles_cpu(backend)
         self.staging_device: torch.device | None = None  # None: the current accelerator
         self._gloo = backend == "gloo"
+        self.gathers_placed = True  # False: chunk gathers land in rank order (benchmarks)
         self._released = False
         if group is not None:
             at_exit.track(self)
@@ -104,6 +104,20 @@ class Communicator:
             work = pairwise.all_gather(self.group, self.rank, self.size, out_full, in_shard)
             return self._timed(work, start)
         work = dist.all_gather_single(out_full, in_shard, group=self.group, async_op=True)
+        return self._timed(work, start)
+
+    def places_pieces(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`all_gather_placed` can fill ``tensor`` (pairwise exchanges only)."""
+        return self.gathers_placed and self.size > 1 and self._pairwise(tensor)
+
+    def all_gather_placed(self, out, in_shard, places, *, gathered_numel: int, purpose, unit=""):
+        """Every rank's ``in_shard`` pieces into ``out`` at ``places`` (see
+        ``pairwise.all_gather_placed``; only where :meth:`places_pieces`), recorded as an
+        all-gather of ``gathered_numel`` elements that sends only this rank's pieces."""
+        own = sum(end - start for start, end, _ in places[self.rank])
+        sent = (self.size - 1) * own * in_shard.element_size()
+        start = self._record("all_gather", purpose, out[:gathered_numel], unit, sent_bytes=sent)
+        work = pairwise.all_gather_placed(self.group, self.rank, self.size, out, in_shard, places)
         return self._timed(work, start)
 
     def reduce_scatter(
@@ -159,16 +173,6 @@ class Communicator:
         work = dist.broadcast(staged, group=self.group, group_src=src_rank, async_op=True)
         return self._copied_back(self._timed(work, start), staged, tensor)
 
-    def all_gather_object(self, obj: object, *, purpose: str) -> list[object]:
-        """Every rank's ``obj`` (small Python values: flags, names, shapes)."""
-        if self.size == 1:
-            return [obj]
-        self._check_not_released()
-        gathered: list[object] = [None] * self.size
-        dist.all_gather_object(gathered, obj, group=self.group)
-        self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))
-        return gathered
-
     def gather(self, tensor: torch.Tensor, *, purpose: str, dst_rank: int = 0) -> list | None:
         """Every rank's ``tensor`` (the same shape and dtype on every rank) on group rank
         ``dst_rank``, by rank, as host tensors; ``None`` on the others."""
@@ -181,50 +185,6 @@ class Communicator:
         )
         dist.gather(staged, gathered, group=self.group, group_dst=dst_rank)
         return None if gathered is None else [t.cpu() for t in gathered]
-
-    def gather_object(self, obj: object, *, purpose: str, dst_rank: int = 0) -> list | None:
-        """Every rank's ``obj`` on group rank ``dst_rank`` (by rank); ``None`` on the others.
-
-        Unlike torch's ``gather_object`` (which all-gathers every rank's size first), what a
-        rank other than ``dst_rank`` receives does not grow with the group: an all-reduce
-        of the largest size (8 bytes), then a gather of the pickled objects padded to it.
-        Recorded as that all-reduce and a ``gather_object`` of this rank's pickled bytes.
-        (JSON values travel without pickle: :mod:`.json_values`.)
-        """
-        if self.size == 1:
-            return [obj]
-        payload = pickle.dumps(obj)
-        largest = torch.tensor([len(payload)], dtype=torch.int64)
-        self.all_reduce(largest, purpose=purpose, op=dist.ReduceOp.MAX).wait()
-        framed = torch.zeros(8 + int(largest), dtype=torch.uint8)
-        framed[:8] = torch.frombuffer(
-            bytearray(len(payload).to_bytes(8, "little")), dtype=torch.uint8
-        )
-        framed[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        staged = self._stage(framed)
-        gathered = (
-            [torch.empty_like(staged) for _ in range(self.size)] if self.rank == dst_rank else None
-        )
-        dist.gather(staged, gathered, group=self.group, group_dst=dst_rank)
-        self.ledger.record(CommRecord("gather_object", purpose, len(payload), self.size))
-        if gathered is None:
-            return None
-        with gc_paused():  # many small objects: see base/gc_pause.py
-            return [_unframe(t.cpu()) for t in gathered]
-
-    def broadcast_object(self, obj: object, *, purpose: str, src_rank: int = 0) -> object:
-        """Group rank ``src_rank``'s ``obj`` on every rank: its size (an 8-byte all-reduce),
-        then its pickled bytes; what a rank receives does not grow with the group."""
-        if self.size == 1:
-            return obj
-        payload = pickle.dumps(obj) if self.rank == src_rank else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        self.all_reduce(size, purpose=purpose).wait()
-        data = torch.zeros(int(size), dtype=torch.uint8)
-        if payload:
-            data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self.broadcast(data, src_rank=src_rank, purpose=purpose).wait()
-        return pickle.loads(data.numpy().tobytes())  # noqa: S301 - from our own ranks
 
     def run_user(self, kind: str, purpose: str, tensor: torch.Tensor, unit: str, call):
         """Check (debug) and record ``kind`` over ``tensor``, then ``call()``, a user's object
@@ -263,13 +223,6 @@ class Communicator:
         if not self.ledger.timing:
             return work
         return _TimedWork(work, self.ledger, self.ledger.last(), start)
-
-
-def _unframe(framed: torch.Tensor) -> object:
-    """The object a rank framed for :meth:`Communicator.gather_object`."""
-    raw = framed.numpy().tobytes()
-    length = int.from_bytes(raw[:8], "little")
-    return pickle.loads(raw[8 : 8 + length])  # noqa: S301 - from our own ranks
 
 
 class _TimedWork:

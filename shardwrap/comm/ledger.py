@@ -27,11 +27,16 @@ class CommRecord:
     # Each pass of a quantized all-reduce carries the tensor's bytes: one ring pass of the
     # plain all-reduce ([Note: quantized all-reduce]).
     unquantized_bytes: int = 0
+    # What this rank sent, where that is not a ring's share (a placed all-gather sends its
+    # own pieces, not its shard's padding: [Note: placed all-gathers]); None: a ring's.
+    sent_bytes: int | None = None
 
     @property
     def wire_bytes(self) -> float:
         """Bytes each rank sends on a ring: (N-1)/N of the buffer, twice for an all-reduce;
-        all of it for a point-to-point ``send``."""
+        all of it for a point-to-point ``send``; :attr:`sent_bytes` where it is set."""
+        if self.sent_bytes is not None:
+            return float(self.sent_bytes)
         if self.kind == "send":
             return float(self.num_bytes)
         factor = 2.0 if self.kind == "all_reduce" else 1.0

@@ -126,6 +126,34 @@ def reduce_scatter(
     return PairwiseWork(posted, finish)
 
 
+def all_gather_placed(
+    group: dist.ProcessGroup,
+    rank: int,
+    size: int,
+    out: torch.Tensor,
+    in_shard: torch.Tensor,
+    places: tuple[tuple[tuple[int, int, int], ...], ...],
+) -> PairwiseWork:
+    """Every rank's shard pieces straight into ``out`` where ``places`` puts them
+    ([Note: placed all-gathers] in ``core/chunk_copy.py``): ``places[r]`` lists rank ``r``'s
+    non-empty pieces as ``(shard_start, shard_end, out_start)``, in shard order. Each piece
+    is one message; a shard's padding is not sent."""
+    for start, end, at in places[rank]:
+        out[at : at + end - start].copy_(in_shard[start:end])
+    tag = _next_tag(group)
+    peers = _peers(rank, size)
+    sends = [(in_shard[start:end], peer) for peer in peers for start, end, _ in places[rank]]
+    receives = [(out[at : at + end - s], peer) for peer in peers for s, end, at in places[peer]]
+    return PairwiseWork(posting.post(functools.partial(_post, group, sends, receives, tag)))
+
+
+def _post(group: dist.ProcessGroup, sends: list, receives: list, tag: int) -> list:
+    """Send each ``(tensor, peer)`` of ``sends``, receive each of ``receives``; their works
+    (one tag: a pair's messages are matched in the order they were posted)."""
+    works = [group.send([tensor], peer, tag) for tensor, peer in sends]
+    return works + [group.recv([tensor], peer, tag) for tensor, peer in receives]
+
+
 def all_to_all(
     group: dist.ProcessGroup, rank: int, size: int, out: torch.Tensor, inp: torch.Tensor
 ) -> PairwiseWork:

@@ -2,13 +2,26 @@
 
 Under the dim-0 chunk layout ([Note: the dim-0 chunk layout] in ``layout/chunks.py``) rank
 ``r``'s shard holds every parameter's chunk ``r`` end to end, so neither the shard nor the
-gathered shards are ranges of the full buffer the full views live in. These two
+gathered shards are ranges of the full buffer the full views live in. These
 functions move the elements between the orders; with a layout whose shards are slices
 (:class:`~shardwrap.layout.flat.FlatLayout`) the shard is a slice and the gather lands in
 place.
+
+[Note: placed all-gathers]
+On gloo the all-gather is pairwise sends anyway ([Note: pairwise collectives on gloo]), so
+a chunk layout's gather need not land in rank order at all: each rank sends every peer
+its shard as one message per parameter piece, and each piece is received straight at its
+place in the full buffer (this rank's own pieces copied there). That spares the landing
+buffer, the copy into it of this rank's shard, and the copy out of it (one concatenation
+per parameter): measured at 5m, 2 ranks, about 8 ms of the step (benchmarks/RESULTS.md).
+The messages carry no padding, so ranks whose chunks are short send less than the ring
+share; the ledger records what each sent (``CommRecord.sent_bytes``). Elsewhere (NCCL) the
+gather lands in rank order and :func:`copy_out` follows.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -46,6 +59,35 @@ def copy_out(layout: ChunkLayout, gathered: torch.Tensor, flat_full: torch.Tenso
         ]
         if parts:
             torch.cat(parts, out=flat_full[info.offset : info.end])
+
+
+def gather_full(comm, layout, flat_full: torch.Tensor, shard: torch.Tensor, *, unit: str):
+    """Issue the plain all-gather of ``layout``'s shards for ``flat_full``: its waitable,
+    and the landing buffer :func:`copy_out` empties after the wait (None: none)."""
+    if not layout.shards_are_contiguous and comm.places_pieces(flat_full):
+        places = gather_places(layout)  # [Note: placed all-gathers]
+        numel = layout.gathered_numel
+        work = comm.all_gather_placed(
+            flat_full, shard, places, gathered_numel=numel, purpose="params", unit=unit
+        )
+        return work, None
+    landing = landing_for(layout, flat_full)
+    target = flat_full if landing is None else landing
+    return comm.all_gather(target, shard, purpose="params", unit=unit), landing
+
+
+@functools.lru_cache(maxsize=1024)
+def gather_places(layout: ChunkLayout) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """For each rank, its shard's non-empty pieces as ``(shard_start, shard_end,
+    full_start)``: where a placed all-gather puts them ([Note: placed all-gathers])."""
+    return tuple(
+        tuple(
+            (piece.shard_start, piece.shard_end, info.offset + piece.param_start)
+            for info, piece in zip(layout.params, layout.pieces(rank), strict=True)
+            if piece.numel
+        )
+        for rank in range(layout.num_shards)
+    )
 
 
 def landing_for(layout: FlatLayout | ChunkLayout, flat_full: torch.Tensor) -> torch.Tensor | None:

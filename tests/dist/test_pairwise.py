@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from shardwrap.comm import posting
 from shardwrap.comm.collectives import CommLedger, Communicator
+from shardwrap.core.chunk_copy import gather_places, take_shard
+from shardwrap.layout.chunks import ChunkLayout
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, run_ranks
 
 SHARD_NUMEL = 7
@@ -177,3 +179,56 @@ def test_negative_control_peer_gaps_ignored_differ() -> None:
     block's order (rank 2's first at 3 ranks)."""
     differs = [d for found in run_ranks(_sum_order_worker, 3, False) for d in found]
     assert differs and all(kind == "gaps" for kind, _, _ in differs), differs
+
+
+# Parameters whose dim-0 chunks are short or empty somewhere at 2 and 3 ranks (a 4-row
+# weight leaves rank 2 of 3 empty, a 1-row one every rank but 0), and a scalar.
+PLACED_SHAPES = ((4, 5), (7,), (1, 3), (10, 2), ())
+
+
+def _placed_worker(rank: int, world_size: int) -> dict:
+    """A placed all-gather ([Note: placed all-gathers]) of a chunk layout's shards: every
+    parameter's full view must be the parameter; the ledger's bytes those sent."""
+    torch.manual_seed(0)  # the same parameters on every rank
+    params = [torch.randn(shape) for shape in PLACED_SHAPES]
+    named = [(f"p{i}", tuple(p.shape), True) for i, p in enumerate(params)]
+    layout = ChunkLayout.build(named, world_size, align_numel=16)
+    full = torch.zeros(layout.padded_numel)
+    for info, param in zip(layout.params, params, strict=True):
+        full[info.offset : info.end] = param.reshape(-1)
+    shard = take_shard(layout, full, rank)
+    out = torch.full((layout.padded_numel,), float("nan"))
+    comm = Communicator(dist.group.WORLD, CommLedger())
+    sent, original = [], dist.ProcessGroup.send
+
+    def counting_send(group, tensors, peer, tag):
+        sent.append(tensors[0].numel() * tensors[0].element_size())
+        return original(group, tensors, peer, tag)
+
+    dist.ProcessGroup.send = counting_send
+    try:
+        places, numel = gather_places(layout), layout.gathered_numel
+        comm.all_gather_placed(out, shard, places, gathered_numel=numel, purpose="params").wait()
+    finally:
+        dist.ProcessGroup.send = original
+    (record,) = comm.ledger.records
+    own = sum(end - start for start, end, _ in places[rank])
+    return {
+        "views": [
+            torch.equal(out[info.offset : info.end].view(info.shape), param)
+            for info, param in zip(layout.params, params, strict=True)
+        ],
+        "ledger": (record.kind, record.num_bytes, record.wire_bytes),
+        "expected": ("all_gather", 4 * numel, float(sum(sent))),
+        "sent": sum(sent) == 4 * own * (world_size - 1) < record.num_bytes,
+    }
+
+
+@pytest.mark.parametrize("world_size", MULTI_RANK_WORLD_SIZES)
+def test_placed_all_gather_puts_every_piece_where_it_belongs(world_size: int) -> None:
+    """Against the parameters themselves. Negative control (run once): every piece placed
+    at its parameter's start fails the views of the parameters split over ranks."""
+    for rank, found in enumerate(run_ranks(_placed_worker, world_size)):
+        assert all(found["views"]), (rank, found["views"])
+        assert found["ledger"] == found["expected"], rank
+        assert found["sent"], rank  # its pieces, never its padding
