@@ -272,6 +272,18 @@ def _example_prefetch(model: nn.Module) -> None:
         block.set_modules_to_backward_prefetch(blocks[max(index - 1, 0) : index])
 
 
+def _last_block_kept(build: Callable[..., TorchTrainer]) -> Callable[..., TorchTrainer]:
+    """torchtitan's setting on top of ``build``: the last block not resharded after forward
+    (its backward, next, would gather it again at once)."""
+
+    def kept(model: nn.Module, **kwargs) -> TorchTrainer:
+        trainer = build(model, **kwargs)
+        trainer.model.blocks[-1].set_reshard_after_forward(False)
+        return trainer
+
+    return kept
+
+
 def _prefetching(build: Callable[..., TorchTrainer]) -> Callable[..., TorchTrainer]:
     def prefetching(model: nn.Module, **kwargs) -> TorchTrainer:
         trainer = build(model, **kwargs)
@@ -422,6 +434,8 @@ IMPLS: dict[str, ImplSpec] = {
         ),
         ImplSpec("sw_fully_shard_prefetch", "shardwrap", 3, _prefetching(_sw_fully_shard)),
         ImplSpec("fsdp2_prefetch", "fsdp2", 3, _prefetching(_fsdp2)),
+        ImplSpec("sw_fully_shard_tt", "shardwrap", 3, _last_block_kept(_sw_fully_shard)),
+        ImplSpec("fsdp2_tt", "fsdp2", 3, _last_block_kept(_fsdp2)),
         ImplSpec("ds_zero1", "deepspeed", 1, _deepspeed(1)),
         ImplSpec("ds_zero2", "deepspeed", 2, _deepspeed(2)),
         ImplSpec("ds_zero3", "deepspeed", 3, _deepspeed(3)),

@@ -120,21 +120,22 @@ class Communicator(ObjectCollectives):
         work = pairwise.all_gather_placed(self.group, self.rank, self.size, out, in_shard, places)
         return self._timed(work, start)
 
-    def reduce_scatter(
-        self, out_shard: torch.Tensor, in_full: torch.Tensor, *, purpose: str, unit="", gaps=()
-    ):
+    def reduce_scatter(self, out_shard, in_full, *, purpose: str, unit="", peer_slices=None):
         """Sum ``in_full`` over ranks and keep this rank's slice in ``out_shard``.
 
-        ``in_full`` must stay unchanged until the wait. ``gaps``: the paddings a peer's
-        layout of this rank's slice has (on gloo: [Note: gloo's sum order])."""
+        ``in_full`` must stay unchanged until the wait. ``peer_slices``: what is known of the
+        slices (``pairwise.PeerSlices``: a peer layout's paddings, each rank's real
+        elements), acted on where the collective is pairwise (gloo)."""
         if self.size == 1:
             out_shard.copy_(in_full)
             return _DoneWork()
-        start = self._record("reduce_scatter", purpose, in_full, unit)
         if self._pairwise(in_full):
-            args = (self.group, self.rank, self.size, out_shard, in_full, gaps)
-            work = pairwise.reduce_scatter(*args)
-            return self._timed(work, start)
+            peer = peer_slices or pairwise.PeerSlices()
+            sent = peer.sent_bytes(self.rank, self.size, in_full)
+            start = self._record("reduce_scatter", purpose, in_full, unit, sent_bytes=sent)
+            args = (self.group, self.rank, self.size, out_shard, in_full, peer)
+            return self._timed(pairwise.reduce_scatter(*args), start)
+        start = self._record("reduce_scatter", purpose, in_full, unit)
         work = dist.reduce_scatter_single(
             out_shard, in_full, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )

@@ -36,6 +36,7 @@ import itertools
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -88,40 +89,69 @@ def all_gather(
     return PairwiseWork(posting.post(functools.partial(_exchange, group, exchanges, tag)))
 
 
+@dataclass(frozen=True, slots=True)
+class PeerSlices:
+    """What a reduce-scatter may know of its slices beyond their size.
+
+    ``reference_gaps``: where a peer's layout pads this rank's slice ([Note: gloo's sum
+    order]); ``real_numels``: each rank's real elements, at its slice's front, the rest
+    padding that is not sent (its sum is zeros); None: every element is real.
+    """
+
+    reference_gaps: tuple[tuple[int, int], ...] = ()
+    real_numels: tuple[int, ...] | None = None
+
+    def real(self, rank: int, slice_numel: int) -> int:
+        return slice_numel if self.real_numels is None else self.real_numels[rank]
+
+    def sent_bytes(self, rank: int, size: int, in_full: torch.Tensor) -> int | None:
+        """Bytes ``rank`` sends reduce-scattering ``in_full`` (None: a ring's share)."""
+        if self.real_numels is None:
+            return None
+        numel = in_full.numel() // size
+        others = sum(self.real(peer, numel) for peer in range(size) if peer != rank)
+        return others * in_full.element_size()
+
+
 def reduce_scatter(
     group: dist.ProcessGroup,
     rank: int,
     size: int,
     out_shard: torch.Tensor,
     in_full: torch.Tensor,
-    reference_gaps: tuple[tuple[int, int], ...] = (),
+    peer_slices: PeerSlices = PeerSlices(),
 ) -> PairwiseWork:
     """The sum over ranks of ``in_full``'s slice ``rank``, into ``out_shard``, added in
-    gloo's order ([Note: gloo's sum order]; ``reference_gaps`` as there).
+    gloo's order ([Note: gloo's sum order]); only real elements travel (``peer_slices``).
 
     ``in_full`` is only read, and must stay unchanged until the wait.
     """
     slices = in_full.view(size, -1)
-    received = torch.empty((size - 1, slices.shape[1]), dtype=in_full.dtype, device=in_full.device)
+    numel = slices.shape[1]
+    real = peer_slices.real(rank, numel)
+    received = torch.empty((size - 1, real), dtype=in_full.dtype, device=in_full.device)
     tag = _next_tag(group)
     exchanges = [
-        (slices[peer], received[index], peer) for index, peer in enumerate(_peers(rank, size))
+        (slices[peer, : peer_slices.real(peer, numel)], received[index], peer)
+        for index, peer in enumerate(_peers(rank, size))
     ]
     posted = posting.post(functools.partial(_exchange, group, exchanges, tag))
     contributions = [
-        slices[rank] if peer == rank else received[_peer_index(rank, peer, size)]
+        slices[rank, :real] if peer == rank else received[_peer_index(rank, peer, size)]
         for peer in range(size)
     ]
-
-    runs = sum_order.sum_runs(rank, size, slices.shape[1], in_full.element_size(), reference_gaps)
+    gaps, itemsize = peer_slices.reference_gaps, in_full.element_size()
+    runs = [r for r in sum_order.sum_runs(rank, size, numel, itemsize, gaps) if r.start < real]
 
     def finish() -> None:
         out = out_shard.view(-1)
         for run in runs:
-            terms = [contributions[peer][run.start : run.end] for peer in run.order]
-            torch.add(terms[0], terms[1], out=out[run.start : run.end])
+            start, end = run.start, min(run.end, real)
+            terms = [contributions[peer][start:end] for peer in run.order]
+            torch.add(terms[0], terms[1], out=out[start:end])
             for term in terms[2:]:
-                out[run.start : run.end].add_(term)
+                out[start:end].add_(term)
+        out[real:].zero_()
 
     return PairwiseWork(posted, finish)
 

@@ -69,14 +69,16 @@ def _gather(comm, out_full, in_shard, purpose: str, unit: str, codec: BlockCodec
 
 
 def reduce_scatter(
-    comm, out_shard, in_full, *, purpose: str, unit: str, codec: BlockCodec | None, gaps=()
+    comm, out_shard, in_full, *, purpose: str, unit: str, codec: BlockCodec | None, slices=None
 ):
     """``comm.reduce_scatter(out_shard, in_full)``, quantized with ``codec`` (None: plain;
-    ``gaps`` as there, for a plain one).
+    ``slices``, its ``peer_slices``, for a plain one).
 
     ``in_full`` must stay unchanged until the wait (this rank's slice is read then)."""
     if codec is None or comm.size == 1:
-        return comm.reduce_scatter(out_shard, in_full, purpose=purpose, unit=unit, gaps=gaps)
+        return comm.reduce_scatter(
+            out_shard, in_full, purpose=purpose, unit=unit, peer_slices=slices
+        )
     return _scatter(comm, out_shard, in_full, purpose, unit, codec, _nbytes(in_full))
 
 

@@ -36,8 +36,9 @@ from ..base.pages import release_resident
 from ..base.quantize import BlockCodec
 from ..comm import quantized, user_comms
 from ..comm.collectives import Communicator
+from ..comm.pairwise import PeerSlices
 from ..layout.flat import FlatLayout
-from ..layout.grad_slots import GradSlots, chunk_split
+from ..layout.grad_slots import GradSlots, chunk_split, peer_slices
 from .grad_buffers import ReusableGradBuffer, ScratchPool
 from .grad_division import divide_after_sum, divide_before_sum
 from .grad_transfer import assign_reduced, flatten_local_grads
@@ -106,7 +107,7 @@ class UnitGrads:
             self.grad_slots.piece_in_chunk(index, self.shard_comm.rank)
             for index in range(len(self.layout.params))
         ]
-        self._reference_gaps = self.layout.reference_gaps(self.shard_comm.rank)  # sum order
+        self._slices = PeerSlices(*peer_slices(layout, self.grad_slots, self.shard_comm.rank))
         # How one split_with_sizes cuts the chunk into those pieces.
         self._chunk_split = chunk_split(self._reduced_pieces, self.grad_slots.chunk_numel)
         # Reduced gradient of this backward, waiting for the presence vote (1D, a chunk).
@@ -200,7 +201,7 @@ class UnitGrads:
             purpose="grads",
             unit=self.comm_label,
             codec=self.grad_codec,
-            gaps=self._reference_gaps,
+            slices=self._slices,
         )
         self._reductions.append(_Reduction(work, reduced, flat_grad, replicate_done=False))
 

@@ -142,11 +142,6 @@ class FlatLayout:
         ``layout/chunks.py``)."""
         return True
 
-    def reference_gaps(self, shard_index: int) -> tuple[tuple[int, int], ...]:
-        """None: torch's FSDP1 reduce-scatters this flat layout itself (see
-        ``ChunkLayout.reference_gaps``)."""
-        return ()
-
     def rank_pieces(self, index: int) -> tuple[tuple[int, ShardPiece], ...]:
         """``(shard index, piece)`` of every shard that holds some of parameter ``index``."""
         info = self.params[index]

@@ -166,3 +166,18 @@ def chunk_split(
     if position < chunk_numel:
         sizes.append(chunk_numel - position)
     return tuple(sizes), tuple(part_of)
+
+
+def peer_slices(
+    layout: FlatLayout | ChunkLayout, slots: GradSlots, chunk: int
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...] | None]:
+    """What the reduce-scatter of ``slots`` may know of its chunks, for chunk ``chunk``'s
+    rank: FSDP2's paddings inside it (``ChunkLayout.reference_gaps``: the sum order), and
+    under a chunk layout each chunk's real elements (at its front: the rest, padding, is
+    not sent). A flat layout's reduce-scatter is torch FSDP1's own: neither."""
+    if not isinstance(layout, ChunkLayout):
+        return (), None
+    real = [slots.chunk_numel] * slots.num_chunks
+    for start, end in slots.gaps:  # each a chunk's tail
+        real[start // slots.chunk_numel] -= end - start
+    return layout.reference_gaps(chunk), tuple(real)

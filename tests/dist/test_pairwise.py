@@ -5,6 +5,7 @@ See [Note: pairwise collectives on gloo] in ``shardwrap/comm/pairwise.py``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from shardwrap.comm import posting
 from shardwrap.comm.collectives import CommLedger, Communicator
+from shardwrap.comm.pairwise import PeerSlices
 from shardwrap.core.chunk_copy import gather_places, take_shard
 from shardwrap.layout.chunks import ChunkLayout
 from tests.dist.harness import MULTI_RANK_WORLD_SIZES, run_ranks
@@ -142,7 +144,9 @@ def _with_gaps(values: torch.Tensor, gaps: tuple[tuple[int, int], ...]) -> torch
 
 def _sum_order_worker(rank: int, world_size: int, use_gaps: bool) -> list:
     """Where the pairwise reduce-scatter differs from torch's gloo collective: plainly,
-    and with a peer layout padded inside the slices against the packed one (``gaps``)."""
+    and with a peer layout padded inside the slices against the packed one (its gaps,
+    and only each slice's real elements sent: the packed padding must sum to zeros and
+    never travel, what was sent equal to the ledger's bytes)."""
     world = Communicator(dist.group.WORLD, CommLedger())
     differs = []
     for numel, dtype in itertools.product(SUM_ORDER_NUMELS, (torch.float32, torch.bfloat16)):
@@ -157,19 +161,45 @@ def _sum_order_worker(rank: int, world_size: int, use_gaps: bool) -> list:
         values = [_spread(1000 * rank + s, real[s], dtype) for s in range(world_size)]
         peer = torch.cat([_with_gaps(v, g) for v, g in zip(values, gaps, strict=True)])
         packed = torch.cat([torch.cat([v, v.new_zeros(numel - v.numel())]) for v in values])
-        own_gaps = gaps[rank] if use_gaps else ()
-        world.reduce_scatter(ours, packed, purpose="grads", gaps=own_gaps).wait()
+        slices = PeerSlices(gaps[rank] if use_gaps else (), tuple(real))
+        ours.fill_(float("nan"))
+        with _counted_sends() as sent:
+            world.reduce_scatter(ours, packed, purpose="grads", peer_slices=slices).wait()
         dist.reduce_scatter_tensor(theirs, peer)
         kept = _with_gaps(torch.ones(real[rank]), gaps[rank]).bool()
         if not torch.equal(ours[: real[rank]], theirs[kept]):
             differs.append(("gaps", numel, str(dtype)))
+        itemsize, others = ours.element_size(), sum(real) - real[rank]
+        wire = (world.ledger.records[-1].wire_bytes, float(sum(sent)), float(others * itemsize))
+        if ours[real[rank] :].count_nonzero() or len(set(wire)) != 1:
+            differs.append(("trimmed", numel, str(dtype), wire))
     return differs
+
+
+@contextlib.contextmanager
+def _counted_sends():
+    """The bytes of each tensor handed to ``ProcessGroup.send`` meanwhile (any thread)."""
+    # Restored from the class's own entry: pybind's method wrapper, which binds the group
+    # (the attribute read off the class is the bare builtin, which would not).
+    sent, original, entry = [], dist.ProcessGroup.send, dist.ProcessGroup.__dict__["send"]
+
+    def counting_send(group, tensors, peer, tag):
+        sent.append(tensors[0].numel() * tensors[0].element_size())
+        return original(group, tensors, peer, tag)
+
+    dist.ProcessGroup.send = counting_send
+    try:
+        yield sent
+    finally:
+        dist.ProcessGroup.send = entry
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_reduce_scatter_adds_in_gloos_order(world_size: int) -> None:
     """[Note: gloo's sum order]: equal to torch's gloo reduce-scatter bit for bit, with
-    and without a peer's paddings (at 2 ranks any order is exact, so 3 and 4)."""
+    and without a peer's paddings (at 2 ranks any order is exact, so 3 and 4); with real
+    elements given, the padding neither sent nor summed. Negative control (run once): the
+    ledger recording a ring's share for the trimmed one fails on its bytes."""
     for rank, differs in enumerate(run_ranks(_sum_order_worker, world_size, True)):
         assert differs == [], f"rank {rank}"
 
@@ -199,18 +229,9 @@ def _placed_worker(rank: int, world_size: int) -> dict:
     shard = take_shard(layout, full, rank)
     out = torch.full((layout.padded_numel,), float("nan"))
     comm = Communicator(dist.group.WORLD, CommLedger())
-    sent, original = [], dist.ProcessGroup.send
-
-    def counting_send(group, tensors, peer, tag):
-        sent.append(tensors[0].numel() * tensors[0].element_size())
-        return original(group, tensors, peer, tag)
-
-    dist.ProcessGroup.send = counting_send
-    try:
-        places, numel = gather_places(layout), layout.gathered_numel
+    places, numel = gather_places(layout), layout.gathered_numel
+    with _counted_sends() as sent:
         comm.all_gather_placed(out, shard, places, gathered_numel=numel, purpose="params").wait()
-    finally:
-        dist.ProcessGroup.send = original
     (record,) = comm.ledger.records
     own = sum(end - start for start, end, _ in places[rank])
     return {
