@@ -164,22 +164,42 @@ def all_gather_placed(
     in_shard: torch.Tensor,
     places: tuple[tuple[tuple[int, int, int], ...], ...],
 ) -> PairwiseWork:
-    """Every rank's shard pieces straight into ``out`` where ``places`` puts them
-    ([Note: placed all-gathers] in ``core/chunk_copy.py``): ``places[r]`` lists rank ``r``'s
-    non-empty pieces as ``(shard_start, shard_end, out_start)``, in shard order. Each piece
-    is one message; a shard's padding is not sent."""
-    for start, end, at in places[rank]:
-        out[at : at + end - start].copy_(in_shard[start:end])
+    """Every rank's shard pieces into ``out`` where ``places`` puts them ([Note: placed
+    all-gathers] in ``core/chunk_copy.py``): ``places[r]`` lists rank ``r``'s non-empty
+    pieces as ``(shard_start, shard_end, out_start)``, end to end from the shard's start.
+
+    Each rank sends every peer those pieces as one message (the padding after them is not
+    sent); a peer's lands in a buffer of its own, its pieces copied to their places at the
+    wait, this rank's own at once: one copy of everything, one message a peer.
+    """
+    _copy_pieces(out, in_shard, places[rank])
     tag = _next_tag(group)
     peers = _peers(rank, size)
-    sends = [(in_shard[start:end], peer) for peer in peers for start, end, _ in places[rank]]
-    receives = [(out[at : at + end - s], peer) for peer in peers for s, end, at in places[peer]]
-    return PairwiseWork(posting.post(functools.partial(_post, group, sends, receives, tag)))
+    own = _extent(places[rank])
+    landed = {peer: in_shard.new_empty(_extent(places[peer])) for peer in peers}
+    sends = [(in_shard[:own], peer) for peer in peers if own]
+    receives = [(landed[peer], peer) for peer in peers if landed[peer].numel()]
+
+    def finish() -> None:
+        for peer in peers:
+            _copy_pieces(out, landed[peer], places[peer])
+
+    posted = posting.post(functools.partial(_post, group, sends, receives, tag))
+    return PairwiseWork(posted, finish)
+
+
+def _extent(pieces: tuple[tuple[int, int, int], ...]) -> int:
+    """Shard elements the pieces span (they lie end to end from 0)."""
+    return pieces[-1][1] if pieces else 0
+
+
+def _copy_pieces(out: torch.Tensor, source: torch.Tensor, pieces) -> None:
+    for start, end, at in pieces:
+        out[at : at + end - start].copy_(source[start:end])
 
 
 def _post(group: dist.ProcessGroup, sends: list, receives: list, tag: int) -> list:
-    """Send each ``(tensor, peer)`` of ``sends``, receive each of ``receives``; their works
-    (one tag: a pair's messages are matched in the order they were posted)."""
+    """Send each ``(tensor, peer)`` of ``sends``, receive each of ``receives``; their works."""
     works = [group.send([tensor], peer, tag) for tensor, peer in sends]
     return works + [group.recv([tensor], peer, tag) for tensor, peer in receives]
 

@@ -9,14 +9,17 @@ place.
 
 [Note: placed all-gathers]
 On gloo the all-gather is pairwise sends anyway ([Note: pairwise collectives on gloo]), so
-a chunk layout's gather need not land in rank order at all: each rank sends every peer
-its shard as one message per parameter piece, and each piece is received straight at its
-place in the full buffer (this rank's own pieces copied there). That spares the landing
-buffer, the copy into it of this rank's shard, and the copy out of it (one concatenation
-per parameter): measured at 5m, 2 ranks, about 8 ms of the step (benchmarks/RESULTS.md).
-The messages carry no padding, so ranks whose chunks are short send less than the ring
-share; the ledger records what each sent (``CommRecord.sent_bytes``). Elsewhere (NCCL) the
-gather lands in rank order and :func:`copy_out` follows.
+a chunk layout's gather need not land in rank order: each rank sends every peer its
+shard's pieces as one message (they lie end to end from the shard's start; the padding
+after them is not sent), each peer's lands in a buffer of its own, and at the wait its
+pieces are copied to their places in the full buffer (this rank's own straight from its
+shard). One copy of the gathered elements, where landing in rank order copied this rank's
+shard into a buffer of every rank's, then everything out of it (one concatenation per
+parameter). A message per piece, tried first, spared the
+copy but cost more than it (about 1 ms a gather at 5m: gloo's per-message work). Ranks
+whose chunks are short send less than the ring share; the ledger records what each sent
+(``CommRecord.sent_bytes``). Elsewhere (NCCL) the gather lands in rank order and
+:func:`copy_out` follows.
 """
 
 from __future__ import annotations

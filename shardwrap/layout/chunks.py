@@ -14,11 +14,11 @@ The all-gather still moves ``num_shards`` equal shards, but the gathered buffer 
 rank order, not parameter order: parameter ``i``'s rows are spread over every rank's
 shard. The engine's full buffer stays in parameter order (``ParamInfo.offset``, as in
 :class:`~shardwrap.layout.flat.FlatLayout`), so the full views are unchanged; on gloo each
-piece is received straight at its place there ([Note: placed all-gathers] in
-``core/chunk_copy.py``), elsewhere the gather lands in a separate buffer and is copied out
-once, per parameter one concatenation of its ranks' pieces. Gradients go the other way
-through the same pieces ([Note: packed gradients] in ``layout/grad_slots.py``, which reads
-:meth:`ChunkLayout.rank_pieces`).
+peer's pieces are copied from its message to their places there ([Note: placed
+all-gathers] in ``core/chunk_copy.py``), elsewhere the gather lands in a separate buffer
+and is copied out once, per parameter one concatenation of its ranks' pieces. Gradients go
+the other way through the same pieces ([Note: packed gradients] in
+``layout/grad_slots.py``, which reads :meth:`ChunkLayout.rank_pieces`).
 With one shard (and no alignment) this is the flat layout exactly, and nothing is copied.
 
 [Note: aligned full views]
