@@ -69,6 +69,10 @@ _HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[RemovableHandle,
 )
 _CHECKS: list[Check] = []  # run on every optimizer's step while any participant lives
 _GLOBAL_HOOK: list[RemovableHandle] = []  # the one global pre-hook, while any participant lives
+# What the step itself sees of the parameters ([Note: stepping the local shards] in
+# fsdp2/local_step.py): (enter, leave), entered after every before-step phase and left
+# before any after-step one, or at the next step's start if the step raised.
+_STEP_VIEWS: list[tuple[Check, Callable[[torch.optim.Optimizer], None]]] = []
 
 
 def join(participant: object, owns: Owns, actions: Mapping[Phase, Action]) -> None:
@@ -91,6 +95,12 @@ def add_check(check: Check) -> None:
     """Run ``check`` on every optimizer's step (once added; while any participant lives)."""
     if check not in _CHECKS:
         _CHECKS.append(check)
+
+
+def set_step_views(enter: Check, leave: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Let ``enter`` change what a hooked optimizer's step sees, ``leave`` undo it."""
+    if (enter, leave) not in _STEP_VIEWS:
+        _STEP_VIEWS.append((enter, leave))
 
 
 def hooked_optimizers() -> list[torch.optim.Optimizer]:
@@ -125,6 +135,8 @@ def _unhook_unowned() -> None:
 
 
 def _meet(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for _, leave_views in _STEP_VIEWS:  # a step that raised left them
+        leave_views(optimizer)
     for check in list(_CHECKS):
         check(optimizer, args, kwargs)
     if optimizer not in _HOOKED and _owning(optimizer):
@@ -145,7 +157,12 @@ def _run(phases: tuple[Phase, ...], optimizer: torch.optim.Optimizer, args, kwar
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     _run(BEFORE_STEP, optimizer, args, kwargs)
+    if not any(Phase.PLACE_STATE in p.actions for p, _ in _owning(optimizer)):
+        for enter_views, _ in _STEP_VIEWS:  # not under a DiskOffload's streamed step
+            enter_views(optimizer, args, kwargs)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for _, leave_views in _STEP_VIEWS:
+        leave_views(optimizer)
     _run(AFTER_STEP, optimizer, args, kwargs)

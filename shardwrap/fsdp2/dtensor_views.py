@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..flat_param import FlatParamHandle
 from ..layout.chunks import ChunkLayout
+from . import local_step
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -71,6 +72,7 @@ def install_dtensor_views(handle: FlatParamHandle, mesh: DeviceMesh) -> None:
             dtensor = as_dtensor(local, mesh, info.shape)
         # In place: the handle's gradients hold the same list.
         handle.shard_params[index] = nn.Parameter(dtensor, requires_grad=info.requires_grad)
+        local_step.register(handle.shard_params[index])
     shapes = [info.shape for info in layout.params]
 
     def grad_view(index: int, piece: torch.Tensor) -> torch.Tensor:
