@@ -199,7 +199,8 @@ def _plan_units(
     full_precision = full_precision_units(module, mixed_precision, ignored)
     unit_modules += [m for m in full_precision if m not in unit_modules]
     precision.cast_buffers(module, mixed_precision, keep=full_precision)
-    records = collect_params(module, ignored, excluded)
+    order = options.layout.children_first
+    records = collect_params(module, ignored, excluded, children_first=order)
     if not deferred:
         check_one_device(records)
     uses_dtensor = any(isinstance(r.param, DTensor) for r in records)

@@ -37,9 +37,15 @@ class ParamRecord:
 
 
 def collect_params(
-    root: nn.Module, ignored_modules: set[nn.Module], excluded: set[int]
+    root: nn.Module,
+    ignored_modules: set[nn.Module],
+    excluded: set[int],
+    *,
+    children_first: bool = False,
 ) -> list[ParamRecord]:
-    """Every managed parameter of ``root`` once, in ``named_parameters`` order.
+    """Every managed parameter of ``root`` once, in ``named_parameters`` order, or with
+    ``children_first`` in FSDP2's: modules after their children ([Note: FSDP2's parameter
+    order]).
 
     Parameters registered only inside ignored modules, or whose ids are in ``excluded``
     (already sharded by a nested root), are left alone.
@@ -60,7 +66,37 @@ def collect_params(
             record = records.setdefault(id(param), ParamRecord(param, fqn))
             record.sites.append(ParamSite(module, attr))
             record.site_modules.append(module)
-    return list(records.values())
+    if not children_first:
+        return list(records.values())
+    return _children_first(root, list(records.values()))
+
+
+# [Note: FSDP2's parameter order]
+# FSDP2 lays out a parameter group in the order of its modules after a depth-first walk
+# that lists each module after its children, each module's own parameters in registration
+# order; ``named_parameters`` lists a module's own first. The two differ wherever a module
+# holds parameters and has children with parameters (a model's own scale beside its
+# blocks). The FSDP2 door takes FSDP2's, so that a rank's shard holds its elements where
+# FSDP2's does: the gradient sums' order depends on those positions ([Note: gloo's sum
+# order] in comm/sum_order.py), and a user's communicator sees FSDP2's buffers.
+
+
+def _children_first(root: nn.Module, records: list[ParamRecord]) -> list[ParamRecord]:
+    """``records`` in FSDP2's order: by the first module, children before parents, that
+    holds each (then by its place in that module's own parameters)."""
+    place: dict[tuple[int, str], int] = {}
+    visited: set[int] = set()
+
+    def walk(module: nn.Module) -> None:
+        visited.add(id(module))
+        for child in module.children():
+            if id(child) not in visited:
+                walk(child)
+        for attr in module._parameters:
+            place.setdefault((id(module), attr), len(place))
+
+    walk(root)
+    return sorted(records, key=lambda r: min(place[(id(s.module), s.attr)] for s in r.sites))
 
 
 def assign_params(

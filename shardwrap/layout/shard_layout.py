@@ -28,6 +28,12 @@ class ShardLayout(enum.Enum):
     FLAT = "flat"
     DIM0_CHUNKS = "dim0_chunks"
 
+    @property
+    def children_first(self) -> bool:
+        """Whether units take FSDP2's parameter order ([Note: FSDP2's parameter order] in
+        layout/partition.py): the dim-0 chunks' door does."""
+        return self is ShardLayout.DIM0_CHUNKS
+
     def builder(self, num_shards: int) -> LayoutBuilder:
         """The layout constructor for units sharded ``num_shards`` ways."""
         if self is ShardLayout.FLAT:
