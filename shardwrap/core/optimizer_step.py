@@ -146,8 +146,8 @@ def _meet(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         )
 
 
-def _run(phases: tuple[Phase, ...], optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    owning = _owning(optimizer)
+def _run(phases: tuple[Phase, ...], owning, optimizer: torch.optim.Optimizer, args, kwargs):
+    """``phases`` for the ``owning`` participants (:func:`_owning`'s) of ``optimizer``."""
     for phase in phases:
         for participant, owner in owning:
             action = participant.actions.get(phase)
@@ -156,13 +156,14 @@ def _run(phases: tuple[Phase, ...], optimizer: torch.optim.Optimizer, args, kwar
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    _run(BEFORE_STEP, optimizer, args, kwargs)
-    if not any(Phase.PLACE_STATE in p.actions for p, _ in _owning(optimizer)):
+    owning = _owning(optimizer)
+    _run(BEFORE_STEP, owning, optimizer, args, kwargs)
+    if not any(Phase.PLACE_STATE in p.actions for p, _ in owning):
         for enter_views, _ in _STEP_VIEWS:  # not under a DiskOffload's streamed step
             enter_views(optimizer, args, kwargs)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    for _, leave_views in _STEP_VIEWS:
+    for _, leave_views in _STEP_VIEWS:  # first: ownership reads the optimizer's own params
         leave_views(optimizer)
-    _run(AFTER_STEP, optimizer, args, kwargs)
+    _run(AFTER_STEP, _owning(optimizer), optimizer, args, kwargs)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..ckpt.slots import shaped_like
 from ..core import optimizer_step
 
 _ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW)
@@ -142,12 +143,5 @@ def leave(optimizer: torch.optim.Optimizer, *_: object) -> None:
 def _as_param_like(value: object, local: torch.Tensor, param: torch.Tensor) -> object:
     """A state value made by a local step, as the DTensor step would have made it."""
     if isinstance(value, torch.Tensor) and value.dim() and value.shape == local.shape:
-        return DTensor.from_local(
-            value,
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        return shaped_like(param, value)
     return value
