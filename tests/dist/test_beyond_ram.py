@@ -68,7 +68,9 @@ def test_disk_offload_trains_a_model_several_times_the_ceiling(tmp_path) -> None
     results = run_ranks(ceiling_cases.trains_beyond_the_ceiling, 2, str(tmp_path), spawned=True)
     for rank, result in enumerate(results):
         assert result["state_bytes"] >= 3 * ceiling_cases.CEILING_HEADROOM, (rank, result)
-        # The same model in memory meets the ceiling (and says so, rather than swapping).
-        assert result["failure"] is not None, f"rank {rank}: training in memory fit the ceiling"
-        assert "can't allocate memory" in result["failure"] or "MemoryError" in result["failure"]
+    # The same model in memory meets the ceiling (and says so, rather than swapping): on
+    # every rank, or on one first, whose end the other then sees in a collective.
+    failures = [result["failure"] for result in results]
+    assert "out of memory" in failures, f"training in memory fit the ceiling: {results}"
+    assert set(failures) <= {"out of memory", "peer gone"}, results
     assert os.listdir(tmp_path) == [], "the scratch directories are removed at exit"
