@@ -2,7 +2,7 @@
 
 [Note: no pickle between ranks]
 torch's ``*_object`` collectives pickle what they send and unpickle what they receive, and
-unpickling runs whatever code the bytes name. Loading a checkpoint promises never to
+unpickling runs whatever code the bytes name. ``load_checkpoint`` promises never to
 unpickle anything, and what its ranks exchange (parameter names, error texts) is plain
 data, so it travels as JSON instead: each rank encodes its value, an 8-byte all-reduce
 agrees on the largest (or the only) length, and the bytes go in one tensor collective,
