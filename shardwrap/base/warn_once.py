@@ -4,8 +4,11 @@
 Every argument and DeepSpeed config key shardwrap accepts is either acted on or named in
 a warning that says what shardwrap does instead. A script sets its options once, but may
 build many models (a sweep, a test suite, a pipeline's stages): one warning per key and
-process says it without drowning the log. A key at its default value asks for nothing,
-so it never warns.
+process says it without drowning the log. A key a config does not give, or an argument
+left out, asks for nothing, so it never warns; one that is given warns when its value
+asks for something shardwrap does not do, even when that value is the default (a
+DeepSpeed default written out is still asked for: [Note: DeepSpeed keys not acted on] in
+``deepspeed/unused.py``).
 """
 
 from __future__ import annotations

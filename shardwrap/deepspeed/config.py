@@ -227,7 +227,7 @@ def _parse_pipeline(raw: dict) -> PipelineConfig:
     known = {"stages", "pipe_partitioned", "grad_partitioned"}
     section = Section("pipeline", raw, known=known, unsupported=_PIPELINE_REFUSALS)
     for key in ("pipe_partitioned", "grad_partitioned"):
-        note_unused(section, key, section.boolean(key, True), True)
+        note_unused(section, key, section.boolean(key, True))
     return PipelineConfig(stages=section.integer("stages", None, minimum=1))
 
 
@@ -235,7 +235,7 @@ def _parse_fp16(raw: dict) -> FP16Config:
     names = set(FP16Config.__dataclass_fields__) | {"auto_cast"}
     section = Section("fp16", raw, known=names, unsupported=ds_keys.refusals(ds_keys.FP16_KEYS))
     enabled = section.boolean("enabled", False)
-    note_unused(section, "auto_cast", section.boolean("auto_cast", False), False)
+    note_unused(section, "auto_cast", section.boolean("auto_cast", False))
     parsed = FP16Config(
         enabled=enabled,
         loss_scale=section.number("loss_scale", 0.0, minimum=0.0),

@@ -136,7 +136,7 @@ def parse_optimizer(raw: object) -> OptimizerConfig:
         values["eps"] = params.number("eps", 1e-8, minimum=0.0)
         values["amsgrad"] = params.boolean("amsgrad", False)
         # torch's Adam is always used: what torch_adam: true asks for
-        note_unused(params, "torch_adam", params.boolean("torch_adam", False), False)
+        note_unused(params, "torch_adam", params.boolean("torch_adam", False))
         foreach = params.get("foreach")
         if foreach is not None and not isinstance(foreach, bool):
             raise TypeError(

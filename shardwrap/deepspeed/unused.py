@@ -7,10 +7,19 @@ They never change results, and shardwrap's engine has its own schedule, so it ac
 (a DeepSpeed config must keep working) and does not act on them. The rule, for every such
 key ([Note: accepted but not acted on] in ``base/warn_once.py``):
 
-* absent, or at DeepSpeed's default: nothing is said (a user who did not set it sees nothing);
-* at the value that asks for what shardwrap always does (``matches``, e.g.
+* absent from the config: nothing is said (a user who did not set it sees nothing);
+* given at the value that asks for what shardwrap always does (``matches``, e.g.
   ``overlap_comm: true``): nothing is said, since it is acted on;
-* any other value: one ``UserWarning`` per process naming the key and what shardwrap does.
+* given at any other value: one ``UserWarning`` per process naming the key, the value and
+  what shardwrap does instead, *even when the value is DeepSpeed's default*. A default
+  written out is still asked for: ``overlap_comm: false`` at stage 1 or 2 (DeepSpeed's
+  default there) asks for no overlap and ``fp16.auto_cast: false`` for inputs left
+  uncast, while shardwrap always overlaps and casts. Whether a key is given is
+  ``Section.has``: the raw mapping, before any default is read.
+
+The loss-scaling keys of an ``fp16`` block that is off (``note_off_block``) follow another
+rule: DeepSpeed ignores them too, so only a value other than the default (one the user
+chose) warns.
 
 Keys with a natural counterpart are acted on instead and are not listed here: the bucket
 sizes become ``set_reduce_bucket_size`` / ``set_all_gather_bucket_size`` (``zero.py``).
@@ -24,7 +33,7 @@ from dataclasses import dataclass
 from ..base.warn_once import warn_once
 from .sections import Section
 
-_NONE = object()  # "no value matches": any non-default value warns
+_NONE = object()  # "no value matches": any value given warns
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +60,8 @@ UNUSED = {
     ),
     "zero_optimization.allgather_partitions": Unused("parameters are always all-gathered", True),
     "zero_optimization.round_robin_gradients": Unused(
-        "gradients move to host memory one unit at a time; there is nothing to round-robin"
+        "gradients move to host memory one unit at a time; there is nothing to round-robin",
+        False,
     ),
     "zero_optimization.ignore_unused_parameters": Unused(
         "parameters that get no gradient are always handled (their gradient is zero), never "
@@ -68,7 +78,8 @@ UNUSED = {
     ),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": Unused(
         "there is no save_16bit_model; save_checkpoint stores every weight in fp32, and "
-        "state_dict() / python -m shardwrap consolidate give them whole"
+        "state_dict() / python -m shardwrap consolidate give them whole",
+        False,
     ),
     "zero_optimization.allgather_bucket_size": Unused(
         "used at stages 1 and 2 only, as in DeepSpeed (stage 3 buckets its all-gathers by "
@@ -79,8 +90,8 @@ UNUSED = {
     "zero_optimization.sub_group_size": Unused(
         "used with offload to nvme only; otherwise each rank's optimizer steps its whole shard"
     ),
-    "zero_optimization.offload_param.nvme_path": Unused("used with device: nvme only"),
-    "zero_optimization.offload_optimizer.nvme_path": Unused("used with device: nvme only"),
+    "zero_optimization.offload_param.nvme_path": Unused("used with device: nvme only", None),
+    "zero_optimization.offload_optimizer.nvme_path": Unused("used with device: nvme only", None),
     "zero_optimization.offload_param.pin_memory": Unused(
         "host shards are page-locked whenever CUDA is available", True
     ),
@@ -119,15 +130,15 @@ UNUSED = {
 FP16_OFF = "fp16 is not enabled, so there is no loss scaling to tune"
 
 
-def note_unused(section: Section, key: str, value: object, default: object) -> None:
-    """Warn once if ``value`` (read from ``section``'s ``key``) asks for something not done.
+def note_unused(section: Section, key: str, value: object) -> None:
+    """Warn once if ``section`` gives ``key`` and its ``value`` asks for something not done.
 
-    ``default`` is DeepSpeed's value of the key (it may depend on other keys, as
-    ``overlap_comm``'s depends on the stage). See [Note: DeepSpeed keys not acted on].
+    A key the config does not give says nothing; a given one warns unless it ``matches``,
+    whether or not ``value`` is DeepSpeed's default. See [Note: DeepSpeed keys not acted on].
     """
     name = section.child_path(key)
     unused = UNUSED[name]
-    if not section.has(key) or value == default or value == unused.matches:
+    if not section.has(key) or value == unused.matches:
         return
     warn_once(f"config {name}", f"{value!r} is not acted on by shardwrap: {unused.instead}")
 

@@ -160,7 +160,7 @@ def parse_zero(raw: dict) -> ZeroConfig:
     if on_disk:
         values["sub_group_size"] = sub_group
     else:
-        note_unused(section, "sub_group_size", sub_group, SUB_GROUP_SIZE)
+        note_unused(section, "sub_group_size", sub_group)
     return ZeroConfig(**values)
 
 
@@ -168,9 +168,9 @@ def _note_unused_keys(section: Section, stage: int) -> None:
     """Validate the keys shardwrap does not act on; warn for those that ask for something."""
     for key, default in _ZERO_UNUSED_BOOLS.items():
         default = stage == 3 if default is None else default
-        note_unused(section, key, section.boolean(key, default), default)
+        note_unused(section, key, section.boolean(key, default))
     for key, default in _ZERO_UNUSED_SIZES.items():
-        note_unused(section, key, section.integer(key, default), default)
+        note_unused(section, key, section.integer(key, default))
 
 
 def _buckets(section: Section, stage: int) -> dict:
@@ -185,15 +185,15 @@ def _buckets(section: Section, stage: int) -> dict:
     if stage in (1, 2) and section.has("allgather_bucket_size"):
         values["all_gather_bucket_size"] = allgather
     elif stage not in (1, 2):
-        note_unused(section, "allgather_bucket_size", allgather, _ALLGATHER_BUCKET)
+        note_unused(section, "allgather_bucket_size", allgather)
     if stage == 3:
         if section.has("stage3_prefetch_bucket_size"):
             values["all_gather_bucket_size"] = prefetch
         if section.has("stage3_param_persistence_threshold"):
             values["unit_persistence_threshold"] = persistence
     else:
-        note_unused(section, "stage3_prefetch_bucket_size", prefetch, _PREFETCH_BUCKET)
-        note_unused(section, "stage3_param_persistence_threshold", persistence, _PERSISTENCE)
+        note_unused(section, "stage3_prefetch_bucket_size", prefetch)
+        note_unused(section, "stage3_param_persistence_threshold", persistence)
     return values
 
 
@@ -205,7 +205,7 @@ def _offload_device(section: Section) -> tuple[OffloadDevice, str | None]:
     if device is OffloadDevice.NVME and not path:
         raise ValueError(f"{section.child_path('nvme_path')}: required when device is 'nvme'")
     if device is not OffloadDevice.NVME:
-        note_unused(section, "nvme_path", path, None)
+        note_unused(section, "nvme_path", path)
         path = None
     return device, path
 
@@ -217,10 +217,10 @@ def _parse_offload_param(raw: dict) -> OffloadParamConfig:
         "zero_optimization.offload_param", raw, known={"device", "nvme_path", *unused}
     )
     device, path = _offload_device(section)
-    note_unused(section, "pin_memory", section.boolean("pin_memory", False), False)
+    note_unused(section, "pin_memory", section.boolean("pin_memory", False))
     for key, default in unused.items():
         if key != "pin_memory":
-            note_unused(section, key, section.integer(key, default, minimum=1), default)
+            note_unused(section, key, section.integer(key, default, minimum=1))
     return OffloadParamConfig(device=device, nvme_path=path)
 
 
@@ -234,7 +234,7 @@ def _parse_offload_optimizer(raw: dict) -> OffloadOptimizerConfig:
         "zero_optimization.offload_optimizer", raw, known=known, unsupported=unsupported
     )
     device, path = _offload_device(section)
-    note_unused(section, "pin_memory", section.boolean("pin_memory", False), False)
-    note_unused(section, "buffer_count", section.integer("buffer_count", 4, minimum=1), 4)
-    note_unused(section, "fast_init", section.boolean("fast_init", False), False)
+    note_unused(section, "pin_memory", section.boolean("pin_memory", False))
+    note_unused(section, "buffer_count", section.integer("buffer_count", 4, minimum=1))
+    note_unused(section, "fast_init", section.boolean("fast_init", False))
     return OffloadOptimizerConfig(device=device, nvme_path=path)

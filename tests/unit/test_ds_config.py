@@ -36,44 +36,95 @@ def test_zero_defaults_are_deepspeeds():
     assert zero.unit_persistence_threshold == 0
 
 
-# Every key shardwrap does not act on, at DeepSpeed's default: a config that spells them
-# out (as the HF Trainer's templates do) must not warn.
-DEEPSPEED_DEFAULTS = {
+# Keys shardwrap does not act on, given at DeepSpeed's default where that default asks for
+# what shardwrap does (unused.UNUSED's ``matches``): a config may spell them out silently.
+DEFAULTS_SHARDWRAP_DOES = {
     "contiguous_gradients": True,
     "reduce_scatter": True,
     "allgather_partitions": True,
     "round_robin_gradients": False,
     "ignore_unused_parameters": True,
+    "stage3_gather_16bit_weights_on_model_save": False,
+    "offload_param": {"device": "none", "nvme_path": None},
+    "offload_optimizer": {"device": "none", "nvme_path": None},
+}
+# ... and where it asks for something shardwrap does not do: given, each warns.
+DEFAULTS_ASKING_OTHERWISE = {
     "stage3_max_live_parameters": 1e9,
     "stage3_max_reuse_distance": 1e9,
-    "stage3_gather_16bit_weights_on_model_save": False,
     "sub_group_size": 1e9,
-    "offload_param": {"device": "none", "pin_memory": False, "buffer_count": 5},
-    "offload_optimizer": {"device": "none", "pin_memory": False, "fast_init": False},
+    "offload_param": {"pin_memory": False, "buffer_count": 5, "buffer_size": 1e8},
+    "offload_optimizer": {"pin_memory": False, "buffer_count": 4, "fast_init": False},
 }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_keys_at_deepspeeds_defaults_do_not_warn(stage):
-    forget_warned()
-    zero = {"stage": stage, "overlap_comm": stage == 3, **DEEPSPEED_DEFAULTS}
-    zero["allgather_bucket_size" if stage == 3 else "stage3_prefetch_bucket_size"] = (
-        5e8 if stage == 3 else 5e7
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        load(zero_optimization=zero, fp16={"enabled": False, "loss_scale": 0, "hysteresis": 2})
-
-
-@pytest.mark.parametrize("stage,value,warns", [(0, True, False), (3, False, True)])
-def test_overlap_comm_warns_only_when_it_asks_for_no_overlap(stage, value, warns):
-    # true (DeepSpeed's default at stage 3) is what shardwrap always does
+def _warned_keys(**top) -> list[str]:
     forget_warned()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load(zero_optimization={"stage": stage, "overlap_comm": value})
-    named = [w for w in caught if "zero_optimization.overlap_comm" in str(w.message)]
-    assert len(named) == int(warns)
+        load(**top)
+    return [str(w.message).split(":")[0] for w in caught]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_keys_given_at_what_shardwrap_does_do_not_warn(stage):
+    forget_warned()
+    zero = {"stage": stage, "overlap_comm": True, **DEFAULTS_SHARDWRAP_DOES}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load(
+            zero_optimization=zero,
+            fp16={"enabled": stage == 3, "auto_cast": True, "loss_scale": 0, "hysteresis": 2},
+            optimizer={"type": "AdamW", "params": {"torch_adam": True}},
+        )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_defaults_given_that_ask_for_something_else_warn(stage):
+    # a default written out is still asked for ([Note: DeepSpeed keys not acted on])
+    zero = {"stage": stage, **DEFAULTS_ASKING_OTHERWISE}
+    zero["allgather_bucket_size" if stage in (0, 3) else "stage3_prefetch_bucket_size"] = (
+        5e8 if stage in (0, 3) else 5e7
+    )
+    warned = _warned_keys(zero_optimization=zero)
+    for key, value in zero.items():
+        if key == "stage":
+            continue
+        for name in value if isinstance(value, dict) else [""]:
+            full = f"config zero_optimization.{key}" + (f".{name}" if name else "")
+            assert full in warned, (full, warned)
+
+
+@pytest.mark.parametrize(
+    "stage,value,warns",
+    [
+        (0, True, False),
+        (3, False, True),
+        # false is DeepSpeed's default at stages 0-2; given, it still asks for no overlap
+        (0, False, True),
+        (1, False, True),
+        (2, False, True),
+        # absent, it asks for nothing
+        (1, None, False),
+        (2, None, False),
+    ],
+)
+def test_overlap_comm_warns_only_when_it_asks_for_no_overlap(stage, value, warns):
+    # true (DeepSpeed's default at stage 3) is what shardwrap always does
+    zero = {"stage": stage} if value is None else {"stage": stage, "overlap_comm": value}
+    warned = _warned_keys(zero_optimization=zero)
+    assert warned.count("config zero_optimization.overlap_comm") == int(warns)
+
+
+@pytest.mark.parametrize("fp16", [{"enabled": True}, {"enabled": False}])
+def test_auto_cast_given_false_warns_that_inputs_are_cast(fp16):
+    # false is DeepSpeed's default: given, it asks for uncast inputs, and the engine's
+    # MixedPrecision casts the root's floating inputs (engine_parts.mixed_precision_of)
+    forget_warned()
+    with pytest.warns(UserWarning, match=r"fp16.auto_cast: False is not acted on.*always cast"):
+        load(fp16={**fp16, "auto_cast": False})
+    assert _warned_keys(fp16=fp16) == []
+    assert _warned_keys(fp16={**fp16, "auto_cast": True}) == []
 
 
 def test_sizes_written_as_floats_are_integers():
