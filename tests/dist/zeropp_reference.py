@@ -39,6 +39,7 @@ from torch import nn
 
 from shardwrap.base.quantize import BlockCodec, dequantize, quantize
 from shardwrap.comm import quantized
+from shardwrap.features import grad_clip
 
 # A power of two, see [Note: the ZeRO++ reference].
 SGD_LR = 0.25
@@ -98,18 +99,23 @@ class Reference:
     def params(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
-    def step(self, loss_of, world_size: int, num_micro: int = 1) -> dict[str, torch.Tensor]:
+    def step(
+        self, loss_of, world_size: int, num_micro: int = 1, clip_factor_of=None
+    ) -> dict[str, torch.Tensor]:
         """One step on every rank's micro-batches (``loss_of(model, rank, micro)``, their
-        gradients accumulated, as under ``no_sync``): the averaged gradients, after SGD
-        has applied them."""
+        gradients accumulated, as under ``no_sync``): the averaged gradients (before any
+        clipping), after SGD has applied them. ``clip_factor_of(grads)``: the factor
+        (a float32 scalar tensor) the gradients are clipped by before SGD applies them."""
         self._load_compute_weights()
         local = [self._local_grads(loss_of, rank, num_micro) for rank in range(world_size)]
         grads = {}
         for unit in self.units:
             grads.update(self._reduced(unit, [_flatten(g, unit) for g in local]))
+        factor = None if clip_factor_of is None else clip_factor_of(grads)
         with torch.no_grad():
             for name, param in self.model.named_parameters():
-                param.add_(grads[name], alpha=-SGD_LR)
+                grad = grads[name] if factor is None else grads[name] * factor
+                param.add_(grad, alpha=-SGD_LR)
         return grads
 
     def _load_compute_weights(self) -> None:
@@ -179,6 +185,8 @@ class Fault(enum.Enum):
     ZERO_GRADS = "zero_grads"  # qgZ's reduced gradient is zeros
     QGZ_UNQUANTIZED = "qgz_unquantized"  # the gradient reduction ignores its codec
     QWZ_UNQUANTIZED = "qwz_unquantized"  # the weight all-gather ignores its codec
+    LOCAL_NORM = "local_norm"  # clipping takes the norm of this rank's shards alone
+    NO_REPLICA_SUM = "no_replica_sum"  # hybrid qgZ skips the sum across replica groups
 
 
 class _Faulted:
@@ -206,8 +214,9 @@ class _Faulted:
 @contextlib.contextmanager
 def faulty(fault: Fault | None):
     """Run the block with ``fault`` put into shardwrap's ZeRO++ (None: as it is)."""
-    originals = (quantized.reduce_scatter, quantized.all_gather)
-    reduce_scatter, all_gather = originals
+    originals = (quantized.reduce_scatter, quantized.all_gather, quantized.all_reduce)
+    reduce_scatter, all_gather, _ = originals
+    norm = grad_clip.sharded_grad_norm
 
     def faulty_reduce_scatter(comm, out_shard, in_full, **kwargs):
         if fault is Fault.QGZ_UNQUANTIZED:
@@ -219,11 +228,30 @@ def faulty(fault: Fault | None):
     def faulty_all_gather(comm, out_full, in_shard, **kwargs):
         return all_gather(comm, out_full, in_shard, **{**kwargs, "codec": None})
 
+    def local_norm(runtime, parameters, norm_type):
+        grads = [p.grad for p in parameters if p.grad is not None]
+        return torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt(), grads
+
+    def no_replica_sum(comm, tensor, **kwargs):
+        return _Done()
+
     if fault in (Fault.DOUBLE_COUNT, Fault.NO_MEAN, Fault.ZERO_GRADS, Fault.QGZ_UNQUANTIZED):
         quantized.reduce_scatter = faulty_reduce_scatter
     elif fault is Fault.QWZ_UNQUANTIZED:
         quantized.all_gather = faulty_all_gather
+    elif fault is Fault.LOCAL_NORM:
+        grad_clip.sharded_grad_norm = local_norm
+    elif fault is Fault.NO_REPLICA_SUM:
+        quantized.all_reduce = no_replica_sum
     try:
         yield
     finally:
-        quantized.reduce_scatter, quantized.all_gather = originals
+        quantized.reduce_scatter, quantized.all_gather, quantized.all_reduce = originals
+        grad_clip.sharded_grad_norm = norm
+
+
+class _Done:
+    """A collective's waitable that did nothing (a fault's)."""
+
+    def wait(self) -> bool:
+        return True
