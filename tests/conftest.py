@@ -16,6 +16,9 @@ from hypothesis import settings
 
 from tests.dist import harness
 
+# [Note: a skip in CI is a failure] in tests/skip_rule.py
+pytest_plugins = ["tests.skip_rule"]
+
 # Hypothesis's default 200 ms deadline per example is a timed assertion: on shared or slow
 # cores (or the CUDA builds of newer torch) it fails tests whose property holds.
 settings.register_profile("shardwrap", deadline=None)
