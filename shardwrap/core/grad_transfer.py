@@ -90,6 +90,7 @@ def assign_reduced(
     global_present: list[bool],
     *,
     pending_is_kept: bool = False,
+    view: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Give every shard view that got a gradient on any rank its piece of ``pending``.
 
@@ -99,16 +100,22 @@ def assign_reduced(
     so that no dead slot outlives the step, unless ``pending_is_kept``: it lies in a
     buffer kept from step to step anyway ([Note: reusing the data-parallel gradient
     buffer]), so views hold nothing more. A gradient already there is added to.
+    ``view(i, piece)``: what parameter ``i``'s gradient shows of its (plain) piece, e.g. a
+    DTensor; the piece itself when None.
     """
     pieces = [piece_of(i) if present else None for i, present in enumerate(global_present)]
     given = [param for param, piece in zip(shard_params, pieces, strict=True) if piece is not None]
     accumulating = any(param.grad is not None for param in given)
     as_views = not accumulating and (pending_is_kept or _pieces_cover(pieces, pending))
-    for param, grad in zip(shard_params, pieces, strict=True):
+    for index, (param, grad) in enumerate(zip(shard_params, pieces, strict=True)):
         if grad is None:
             continue
+        if not as_views and param.grad is None:
+            grad = grad.clone()
+        if view is not None:
+            grad = view(index, grad)
         if param.grad is None:
-            param.grad = grad if as_views else grad.clone()
+            param.grad = grad
         else:
             param.grad.add_(grad)
 

@@ -24,7 +24,6 @@ HSDP's knobs (a skipped replica all-reduce, the all-reduce hook): :mod:`.replica
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -317,15 +316,13 @@ class UnitGrads:
         if present is None:  # the skipped backward's flags wait with its kept sum
             return
         if pending is not None:
-            piece_of = self._piece_finder(pending)
-            if self.shard_grad_view is not None:
-                piece_of = functools.partial(_viewed, self.shard_grad_view, piece_of)
             assign_reduced(
                 self.shard_params,
-                piece_of,
+                self._piece_finder(pending),
                 pending,
                 present,
                 pending_is_kept=self._pending_is_kept or self.grad_store is not None,
+                view=self.shard_grad_view,
             )
             if self.grad_store is not None:  # accumulated into: release what was touched
                 for param in self.shard_params:
@@ -368,11 +365,3 @@ class UnitGrads:
             for info, p in zip(self.layout.params, self.full_params, strict=True)
             if p.grad is not None
         ]
-
-
-def _viewed(
-    view: Callable[[int, torch.Tensor], torch.Tensor],
-    piece_of: Callable[[int], torch.Tensor],
-    index: int,
-) -> torch.Tensor:
-    return view(index, piece_of(index))

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ..base.torch_compat import dtensor_of, sharded_spec
 from ..flat_param import FlatParamHandle
 from ..layout.chunks import ChunkLayout
 from . import local_step
@@ -74,9 +75,13 @@ def install_dtensor_views(handle: FlatParamHandle, mesh: DeviceMesh) -> None:
         handle.shard_params[index] = nn.Parameter(dtensor, requires_grad=info.requires_grad)
         local_step.register(handle.shard_params[index])
     shapes = [info.shape for info in layout.params]
+    specs: dict[tuple[int, torch.dtype], object] = {}  # built once: a step wraps every grad
 
     def grad_view(index: int, piece: torch.Tensor) -> torch.Tensor:
-        return as_dtensor(piece.view(local_shapes[index]), mesh, shapes[index])
+        key = (index, piece.dtype)
+        if key not in specs:
+            specs[key] = sharded_spec(mesh, shard_placements(mesh), shapes[index], piece.dtype)
+        return dtensor_of(piece.view(local_shapes[index]), specs[key])
 
     handle.grads.shard_grad_view = grad_view
     handle.show_params(handle.shard_params)
