@@ -80,16 +80,14 @@ def storage_use_count(storage: torch.UntypedStorage) -> int | None:
     return _storage_use_count(storage._cdata)
 
 
-def sharded_spec(mesh: Any, placements: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
-    """The layout record of a contiguous ``shape`` tensor of ``dtype`` placed on ``mesh``
-    (torch's private ``DTensorSpec``), built once for :func:`dtensor_of` to reuse."""
+def sharded_spec(
+    mesh: Any, placements: tuple, shape: tuple[int, ...], stride: tuple[int, ...], dtype: Any
+) -> Any:
+    """The layout record of a global ``shape``/``stride`` tensor of ``dtype`` placed on
+    ``mesh`` (torch's private ``DTensorSpec``), built once for :func:`dtensor_of` to reuse."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    meta = TensorMeta(torch.Size(shape), tuple(reversed(stride)), dtype)
+    meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
     return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 
 

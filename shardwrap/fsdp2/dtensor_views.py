@@ -80,7 +80,11 @@ def install_dtensor_views(handle: FlatParamHandle, mesh: DeviceMesh) -> None:
     def grad_view(index: int, piece: torch.Tensor) -> torch.Tensor:
         key = (index, piece.dtype)
         if key not in specs:
-            specs[key] = sharded_spec(mesh, shard_placements(mesh), shapes[index], piece.dtype)
+            shape = shapes[index]
+            placements = shard_placements(mesh)
+            specs[key] = sharded_spec(
+                mesh, placements, shape, contiguous_stride(shape), piece.dtype
+            )
         return dtensor_of(piece.view(local_shapes[index]), specs[key])
 
     handle.grads.shard_grad_view = grad_view

@@ -67,6 +67,37 @@ def test_assign_hands_out_views_when_they_cover_the_buffer() -> None:
     assert all(p.grad.untyped_storage().data_ptr() == pending.data_ptr() for p in params)
 
 
+class _Shown(torch.Tensor):
+    """A tensor subclass whose ``numel()`` is not its storage's, as a DTensor's (global)."""
+
+    def numel(self) -> int:
+        return 2 * super().numel()
+
+
+def test_assign_decides_views_on_the_plain_pieces_before_view_wraps_them() -> None:
+    """The FSDP2 door's ``view`` (a DTensor per gradient) comes after the choice of views
+    or copies: a wrapped piece's numel() is not its storage's (a DTensor's is global), and
+    counting it there took every covering buffer for a dead slot and copied every gradient
+    (found in a profile of the door's backward)."""
+    layout = FlatLayout.build(SHAPES, num_shards=1)
+    pending = torch.arange(13, dtype=torch.float32)
+    params = [nn.Parameter(torch.zeros(shape)) for _, shape, _ in SHAPES]
+    seen = []
+
+    def view(index: int, piece: torch.Tensor) -> torch.Tensor:
+        seen.append(index)
+        return piece.as_subclass(_Shown)
+
+    assign_reduced(params, _pieces(pending, layout), pending, [True] * 3, view=view)
+    assert seen == [0, 1, 2] and all(type(p.grad) is _Shown for p in params)
+    assert all(p.grad.untyped_storage().data_ptr() == pending.data_ptr() for p in params)
+    # The control: the choice made on the wrapped pieces copies.
+    wrapped = _pieces(pending, layout)
+    params = [nn.Parameter(torch.zeros(shape)) for _, shape, _ in SHAPES]
+    assign_reduced(params, lambda i: wrapped(i).as_subclass(_Shown), pending, [True] * 3)
+    assert all(p.grad.untyped_storage().data_ptr() != pending.data_ptr() for p in params)
+
+
 def test_assign_copies_when_a_slot_is_dead_and_adds_to_existing_grads() -> None:
     layout = FlatLayout.build(SHAPES, num_shards=1)
     pending = torch.arange(13, dtype=torch.float32)

@@ -58,6 +58,27 @@ def test_storage_use_count_counts_tensors_sharing_a_storage():
     assert torch_compat.storage_use_count(storage) == alone
 
 
+def test_dtensor_of_gives_what_from_local_gives(one_rank):
+    """The door's gradients (fsdp2/dtensor_views.py): a DTensor on the local tensor itself,
+    with the spec's global shape, stride and placements, and no autograd record."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    local = torch.arange(12.0).view(3, 4)
+    spec = torch_compat.sharded_spec(mesh, (Shard(0),), (3, 4), (4, 1), torch.float32)
+    made = torch_compat.dtensor_of(local, spec)
+    reference = DTensor.from_local(local, mesh, (Shard(0),), run_check=False)
+    assert isinstance(made, DTensor) and made.to_local().data_ptr() == local.data_ptr()
+    assert (made.shape, made.stride(), made.placements) == (
+        reference.shape,
+        reference.stride(),
+        reference.placements,
+    )
+    assert made.device_mesh == mesh and made.grad_fn is None and not made.requires_grad
+    assert torch.equal(made.full_tensor(), reference.full_tensor())
+
+
 def test_tree_helpers_round_trip_nested_containers():
     tree = {"a": [torch.ones(1), (torch.zeros(2), 3)], "b": None}
     leaves, spec = torch_compat.tree_flatten(tree)
