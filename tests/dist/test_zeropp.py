@@ -236,20 +236,21 @@ def _against_reference(
             last = micro == num_micro - 1
             with contextlib.nullcontext() if last else sharded.no_sync():
                 _loss(sharded, num_micro * step + micro, rank).backward()
-        factor_of = None
+        norm = factor = None
         if clip is not None:
-            norm = grad_clip.sharded_grad_norm(sharded._root.runtime, sharded.parameters(), 2.0)
-            factor_of = _clip_factor_checking(clip, norm[0], found, step)
+            norm = grad_clip.sharded_grad_norm(sharded._root.runtime, sharded.parameters(), 2.0)[0]
+            factor = (clip / (norm + 1e-6)).clamp(max=1.0).to(torch.float32)  # torch's
+            factors.append(float(factor))
         grads = reference.step(
             lambda model, r, m, s=step: _loss(model, num_micro * s + m, r),
             world_size,
             num_micro,
-            factor_of,
+            clip_factor=factor,
         )
         found += [f"step {step}: {m}" for m in mismatches(sharded, grads, grads=True)]
         if clip is not None:
+            found += [f"step {step}: {m}" for m in _norm_mismatch(float(norm), grads)]
             sharded.clip_grad_norm_(clip)
-            factors.append(float(factor_of(None)))
         optim.step()
         optim.zero_grad()
         found += [f"step {step}: {m}" for m in mismatches(sharded, reference.params(), grads=False)]
@@ -258,32 +259,22 @@ def _against_reference(
 
 # [Note: clipping against the reference]
 # The sharded norm is a float64 sum of squares over each rank's shards, then across the
-# ranks; the reference's, a float64 sum over whole gradients in another order. They agree
-# within float64's bound for a sum of n non-negative terms, each squared with one rounding:
-# a relative (n + 1) * 2**-53, with sqrt halving it (NORM_RTOL's n is the model's size, a
-# bound for every order). Far below it: a norm that misses a rank's shards (a factor
-# ~sqrt(2) here) or a mean that is not taken. Both sides then clip by the factor torch's
-# clip_grad_norm_ defines, from the sharded norm: max / (norm + 1e-6), at most 1, in
-# float32, so the clipped gradients and the parameters compare bit for bit.
+# ranks; the reference's, a float64 sum over whole gradients in another order. Each is
+# within n * 2**-53 (relative, first order) of the exact sum of the n squares, each rounded
+# once, in any order; so the two norms (sqrt halving that, plus a rounding each) are within
+# (n + 2) * 2**-53 of each other: norm_rtol. Far above it: a norm that misses a rank's
+# shards (a factor ~sqrt(2) here) or a mean that is not taken. Both sides then clip by the
+# factor torch's clip_grad_norm_ defines, from the sharded norm: max / (norm + 1e-6), at
+# most 1, in float32, so the clipped gradients and the parameters compare bit for bit.
 def norm_rtol(numel: int) -> float:
-    return (numel + 1) * 2.0**-53
+    return (numel + 2) * 2.0**-53
 
 
-def _clip_factor_checking(clip: float, norm: torch.Tensor, found: list[str], step: int):
-    """``factor_of(grads)``: the clip factor from the sharded ``norm``; with reference
-    ``grads`` it first notes in ``found`` a reference norm outside the bound."""
-    factor = (clip / (norm + 1e-6)).clamp(max=1.0).to(torch.float32)
-
-    def factor_of(grads: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        if grads is not None:
-            squares = sum(float(g.double().pow(2).sum()) for g in grads.values())
-            numel = sum(g.numel() for g in grads.values())
-            want = squares**0.5
-            if abs(float(norm) - want) > norm_rtol(numel) * want:
-                found.append(f"step {step}: norm {float(norm)!r}, reference {want!r}")
-        return factor
-
-    return factor_of
+def _norm_mismatch(norm: float, grads: dict[str, torch.Tensor]) -> list[str]:
+    """The sharded ``norm`` against the reference gradients' (a list: empty if within)."""
+    want = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5
+    numel = sum(g.numel() for g in grads.values())
+    return [] if abs(norm - want) <= norm_rtol(numel) * want else [f"norm {norm!r}, not {want!r}"]
 
 
 def _exact_worker(rank: int, world_size: int, case: str) -> dict:

@@ -100,21 +100,24 @@ class Reference:
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
     def step(
-        self, loss_of, world_size: int, num_micro: int = 1, clip_factor_of=None
+        self,
+        loss_of,
+        world_size: int,
+        num_micro: int = 1,
+        clip_factor: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """One step on every rank's micro-batches (``loss_of(model, rank, micro)``, their
         gradients accumulated, as under ``no_sync``): the averaged gradients (before any
-        clipping), after SGD has applied them. ``clip_factor_of(grads)``: the factor
-        (a float32 scalar tensor) the gradients are clipped by before SGD applies them."""
+        clipping), after SGD has applied them, each times ``clip_factor`` (a float32
+        scalar) where given."""
         self._load_compute_weights()
         local = [self._local_grads(loss_of, rank, num_micro) for rank in range(world_size)]
         grads = {}
         for unit in self.units:
             grads.update(self._reduced(unit, [_flatten(g, unit) for g in local]))
-        factor = None if clip_factor_of is None else clip_factor_of(grads)
         with torch.no_grad():
             for name, param in self.model.named_parameters():
-                grad = grads[name] if factor is None else grads[name] * factor
+                grad = grads[name] if clip_factor is None else grads[name] * clip_factor
                 param.add_(grad, alpha=-SGD_LR)
         return grads
 
