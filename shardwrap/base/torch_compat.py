@@ -93,9 +93,10 @@ def sharded_spec(
 
 def dtensor_of(local: torch.Tensor, spec: Any) -> torch.Tensor:
     """``local`` as a DTensor laid out as ``spec`` says, with no autograd record and no
-    checks: what ``DTensor.from_local(..., run_check=False)`` gives, for a fraction of its
-    CPU (it builds the spec and runs an autograd function per call, about 0.1 ms, and a
-    step wraps every gradient). torch's own FSDP2 wraps its gradients the same way."""
+    checks: what ``DTensor.from_local(..., run_check=False)`` gives for a ``local`` already
+    on the mesh's device type (from_local would move it there), for a fraction of its CPU
+    (it builds the spec and runs an autograd function per call, about 0.1 ms, and a step
+    wraps every gradient). torch's own FSDP2 wraps its gradients the same way."""
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, spec, requires_grad=False)

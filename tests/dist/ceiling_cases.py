@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import resource
 
 import torch
@@ -96,9 +97,16 @@ def _peer_gone(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE)
 
 
-def _fails_in_memory() -> tuple[str, str]:
-    """``(kind, message)`` of the in-memory run under the ceiling: ``"out of memory"`` where
-    this rank's allocation was refused, ``"peer gone"`` where the other rank's was first.
+class InMemory(enum.Enum):
+    """How the in-memory run under the ceiling ended on a rank."""
+
+    OUT_OF_MEMORY = "out of memory"  # this rank's allocation was refused
+    PEER_GONE = "peer gone"  # the other rank's was, first, and it left
+    FIT = "fit"  # the ceiling was not met
+
+
+def _fails_in_memory() -> tuple[InMemory, str]:
+    """How the in-memory run under the ceiling ended here, and the error's message.
 
     The ranks hold nearly the same, but not the same, memory when the ceiling is set, so one
     may be refused an allocation a step before the other: it reports and ends, and the other,
@@ -109,11 +117,11 @@ def _fails_in_memory() -> tuple[str, str]:
     except (MemoryError, RuntimeError) as error:
         message = f"{type(error).__name__}: {error}"
         if _out_of_memory(error):
-            return "out of memory", message
+            return InMemory.OUT_OF_MEMORY, message
         if _peer_gone(error):
-            return "peer gone", message
+            return InMemory.PEER_GONE, message
         raise
-    return "fit", ""
+    return InMemory.FIT, ""
 
 
 def trains_beyond_the_ceiling(rank: int, world_size: int, path: str) -> dict:
@@ -139,4 +147,4 @@ def trains_beyond_the_ceiling(rank: int, world_size: int, path: str) -> dict:
     del in_memory, on_disk, optim
     with ceiling(CEILING_HEADROOM):
         failure, message = _fails_in_memory()
-    return {"state_bytes": state_bytes, "failure": failure, "message": message}
+    return {"state_bytes": state_bytes, "failure": failure.value, "message": message}

@@ -70,7 +70,7 @@ def test_disk_offload_trains_a_model_several_times_the_ceiling(tmp_path) -> None
         assert result["state_bytes"] >= 3 * ceiling_cases.CEILING_HEADROOM, (rank, result)
     # The same model in memory meets the ceiling (and says so, rather than swapping): on
     # every rank, or on one first, whose end the other then sees in a collective.
-    failures = [result["failure"] for result in results]
-    assert "out of memory" in failures, f"training in memory fit the ceiling: {results}"
-    assert set(failures) <= {"out of memory", "peer gone"}, results
+    failures = [ceiling_cases.InMemory(result["failure"]) for result in results]
+    assert ceiling_cases.InMemory.OUT_OF_MEMORY in failures, f"it fit the ceiling: {results}"
+    assert ceiling_cases.InMemory.FIT not in failures, results
     assert os.listdir(tmp_path) == [], "the scratch directories are removed at exit"

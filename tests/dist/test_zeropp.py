@@ -211,7 +211,7 @@ CONTROL_STEPS = 1  # a fault shows in the first step's gradients
 
 def _against_reference(
     rank: int, world_size: int, quant: dict, strategy: str, num_steps: int, kwargs: dict
-) -> list[str]:
+) -> tuple[list[str], list[float]]:
     """SGD steps of the sharded model and of [Note: the ZeRO++ reference]; what differs,
     and the factors the gradients were clipped by.
 
@@ -287,7 +287,8 @@ def _exact_worker(rank: int, world_size: int, case: str) -> dict:
         with faulty(fault):
             found, factors = _against_reference(rank, world_size, quant, strategy, steps, kwargs)
         runs["as it is" if fault is None else fault.value] = found
-        clip_factors = factors if fault is None else clip_factors
+        if fault is None:
+            clip_factors = factors
     return {"runs": runs, "clip_factors": clip_factors}
 
 
@@ -439,11 +440,12 @@ def _hybrid_step(rank: int, world_size: int, fault: Fault | None) -> dict:
     with faulty(fault):
         _loss(model, 0, rank).backward()
     kinds = {(r.kind, r.purpose, r.group_size) for r in model.comm_ledger.records}
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.optim.SGD(model.parameters(), lr=SGD_LR).step()
     shards = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = [torch.empty_like(shards) for _ in range(world_size)]
     dist.all_gather(every, shards)
-    return {"kinds": kinds, "shards": every}
+    return {"kinds": kinds, "shards": every, "moved": not torch.equal(before, shards)}
 
 
 def _hybrid_worker(rank: int, world_size: int) -> dict:
@@ -468,6 +470,7 @@ def test_hybrid_shard_quantized_reduction_is_hierarchical_and_keeps_replicas_equ
             k[:2] in {("all_reduce", "grads"), ("reduce_scatter", "grads")} for k in kinds
         )
         assert _replicas_equal(shards) and not torch.equal(shards[0], shards[1])
+        assert result["as it is"]["moved"]  # the step applied gradients (zeros would not move)
         # negative control: without the sum across the pairs the replicas part
         assert not _replicas_equal(result["control"]["shards"])
 
