@@ -25,7 +25,12 @@ import torch
 from torch import nn
 
 from ..core.unit import Unit
-from .root import own_unit
+from ..runtime.fsdp1_state import (
+    assert_training_state,
+    root_training_state,
+    unit_training_state,
+)
+from .root import find_root, own_unit
 
 # Original class -> its swapped subclass, so every unit of one class shares one class.
 _SWAPPED: dict[type, type] = {}
@@ -60,6 +65,20 @@ class FSDP1Attributes:
         if unit is None:
             raise RuntimeError(f"{type(self).__name__}: no ShardedModule manages this module")
         return unit
+
+    @property
+    def training_state(self) -> Any:
+        """FSDP1's state of this instance (a root's spans its whole model), a member of
+        torch's ``TrainingState`` (``runtime/fsdp1_state.py``)."""
+        root = find_root(self)  # type: ignore[arg-type]
+        if root is not None:
+            return root_training_state(root.units[0], root.units)
+        return unit_training_state(self._fsdp_unit)
+
+    def _assert_state(self, state: Any) -> None:
+        """FSDP1's check: ``ValueError`` unless :attr:`training_state` is ``state`` (or one
+        of a list of them)."""
+        assert_training_state(self.training_state, state)
 
     @property
     def _has_params(self) -> bool:

@@ -15,6 +15,7 @@ __all__ = [
     "fsdp2_reduces_in_param_dtype_by_default",
     "fsdp2_translates_spmd_types",
     "dtensor_of",
+    "fsdp1_training_states",
     "in_backward",
     "preserve_version_counter",
     "queue_backward_callback",
@@ -45,6 +46,15 @@ def fsdp2_reset_drops_gradients() -> bool:
     step (2.15 on: the sharded ``.grad`` and the unreduced local gradients), rather than
     keeping the local gradients of the units not yet reduced (before 2.15)."""
     return torch.torch_version.TorchVersion(torch.__version__) >= (2, 15)
+
+
+def fsdp1_training_states() -> type:
+    """torch's FSDP1 ``TrainingState`` enum (``IDLE``, ``FORWARD_BACKWARD``,
+    ``SUMMON_FULL_PARAMS``): what FSDP1's ``training_state`` holds and ``_assert_state``
+    takes, so code comparing with torch's members gets answers from ours."""
+    from torch.distributed.fsdp._common_utils import TrainingState
+
+    return TrainingState
 
 
 def preserve_version_counter(tensor: torch.Tensor) -> Any:

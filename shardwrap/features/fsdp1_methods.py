@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..assemble.root import ShardRoot
+from ..base.torch_compat import fsdp1_training_states
 from ..base.warn_once import warn_once
 from ..comm import collectives
 from .summon import summon_full_params
@@ -26,7 +27,10 @@ _HOOK_MODULE = "torch.distributed.algorithms._comm_hooks.default_hooks"
 
 def apply(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
     """Call ``fn`` on every submodule (children first, then ``self``), as ``nn.Module.apply``,
-    with full parameters shown and written back (initialising weights after wrapping works)."""
+    with full parameters shown and written back (initialising weights after wrapping works).
+    As FSDP1's, refused (``ValueError``) unless the module is idle: not inside its forward,
+    backward or a ``summon_full_params``."""
+    self._assert_state(fsdp1_training_states().IDLE)
     with summon_full_params(self, recurse=True, writeback=True):
         return nn.Module.apply(self, fn)
 

@@ -81,7 +81,8 @@ def summon_full_params(
 ) -> Iterator[None]:
     """Show full parameters on ``module``'s units inside the context; see the Note above."""
     _check_flags(recurse, writeback, rank0_only, offload_to_cpu, with_grads)
-    units = [u for u in units_of(module, recurse) if u.handle is not None]
+    selected = units_of(module, recurse)
+    units = [u for u in selected if u.handle is not None]
     for unit in units:
         if unit.state is TrainingState.BACKWARD:
             raise RuntimeError(f"summon_full_params: unit {unit.name!r} is in backward")
@@ -96,9 +97,13 @@ def summon_full_params(
     for s in summons:
         registry.add_summoned(s.handle)
         s.enter()
+    # FSDP1's training_state reads SUMMON_FULL_PARAMS on every selected unit, owning
+    # parameters or not (runtime/fsdp1_state.py).
+    marked = registry.add_summoned_units(selected)
     try:
         yield
     finally:
+        registry.discard_summoned_units(marked)
         for s in summons:
             s.exit()
             registry.discard_summoned(s.handle)

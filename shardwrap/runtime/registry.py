@@ -25,8 +25,9 @@ from .step import StepRuntime
 _UNITS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Unit]] = weakref.WeakKeyDictionary()
 # The runtime of the root that owns each unit (kept alive by the root).
 _RUNTIMES: weakref.WeakKeyDictionary[Unit, weakref.ref[StepRuntime]] = weakref.WeakKeyDictionary()
-# Handles inside an active summon.
+# Handles inside an active summon, and the units a summon selected (with or without one).
 _SUMMONED: weakref.WeakSet[FlatParamHandle] = weakref.WeakSet()
+_SUMMONED_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()
 
 
 def add_units(runtime: StepRuntime) -> None:
@@ -70,3 +71,20 @@ def add_summoned(handle: FlatParamHandle) -> None:
 
 def discard_summoned(handle: FlatParamHandle) -> None:
     _SUMMONED.discard(handle)
+
+
+def is_unit_summoned(unit: Unit) -> bool:
+    """Whether ``unit`` is inside an active ``summon_full_params`` (an outer one counts)."""
+    return unit in _SUMMONED_UNITS
+
+
+def add_summoned_units(units: list[Unit]) -> list[Unit]:
+    """Record ``units`` as summoned; returns those not already recorded (to discard later)."""
+    added = [u for u in units if u not in _SUMMONED_UNITS]
+    _SUMMONED_UNITS.update(added)
+    return added
+
+
+def discard_summoned_units(units: list[Unit]) -> None:
+    for unit in units:
+        _SUMMONED_UNITS.discard(unit)

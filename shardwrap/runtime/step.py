@@ -108,7 +108,7 @@ class StepRuntime:
         self.execution_order: list[Unit] = []  # units in first-forward order this step
         # The presence vote and what it checks ([Note: gradient presence])
         self.presence = PresenceCheck(world_comm)
-        self._finalize_queued = False
+        self.backward_in_flight = False
         # [Note: manual backward finalization] in runtime/manual_finalization.py
         self.manual = ManualFinalization()
         self.has_run_forward = False  # the root ran a forward (FSDP2: lazily initialised)
@@ -138,7 +138,7 @@ class StepRuntime:
         event, self.post_optim_event = self.post_optim_event, None
         if event is not None:  # before any gather of this forward
             event.wait()
-        if not self._finalize_queued:
+        if not self.backward_in_flight:
             self.execution_order.clear()
             for unit in self.units:
                 unit.clear_forward_depth()
@@ -203,15 +203,15 @@ class StepRuntime:
             )
 
     def queue_finalize(self) -> None:
-        if not self._finalize_queued:
-            self._finalize_queued = True
+        if not self.backward_in_flight:
+            self.backward_in_flight = True
             self.manual.begin_backward()
             queue_backward_callback(self.finalize_backward)
 
     def finalize_backward(self) -> None:
         """End of backward (autograd's callback): the step's end, or, under manual
         finalization, this backward's ([Note: manual backward finalization])."""
-        self._finalize_queued = False
+        self.backward_in_flight = False
         if self.manual.active:
             self._end_backward(last=False, manual=True)
         else:
@@ -257,7 +257,7 @@ class StepRuntime:
         """FSDP2's ``finalize_backward``: issue the reductions of the units waiting for it;
         :meth:`finish_finalize` ends the step ([Note: manual backward finalization])."""
         self.manual.check_finalize(
-            backward_running=self._finalize_queued, units=self.units, sync_grads=self.sync_grads
+            backward_running=self.backward_in_flight, units=self.units, sync_grads=self.sync_grads
         )
         ends_step = self.manual.active is not None or bool(self.manual.waiting)
         waiting = self.manual.take_waiting(sync=self.sync_grads)
@@ -324,7 +324,7 @@ class StepRuntime:
             unit.end_step()
         self.execution_order.clear()
         self._step_order = []
-        self._finalize_queued = False
+        self.backward_in_flight = False
         self.manual.reset()
 
     # ------------------------------------------------------------ gathers ahead

@@ -109,7 +109,7 @@ def undeferred_fully_shard(module: nn.Module, **kwargs) -> nn.Module:
     runtime = state_of(module).root.runtime
 
     def end_backward() -> None:
-        runtime._finalize_queued = False
+        runtime.backward_in_flight = False
         runtime._end_backward(last=not runtime.manual.active and runtime.is_last_backward)
 
     runtime.finalize_backward = end_backward
