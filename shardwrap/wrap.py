@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .assemble.compose import build_root
-from .assemble.fsdp_units import FSDP1Attributes, FSDPMeta
+from .assemble.fsdp_units import FSDP1Attributes, FSDP1RootAttributes, FSDPMeta
 from .assemble.nesting import check_not_wrapped
 from .assemble.root import RootField, ShardRoot, is_root
 from .assemble.sharding import resolve_ignored
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-class ShardedModule(FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
+class ShardedModule(FSDP1RootAttributes, FSDP1Attributes, nn.Module, metaclass=FSDPMeta):
     """Shard ``module``'s parameters, gradients and optimizer state across ranks.
 
     Arguments and their meaning follow ``torch.distributed.fsdp.FullyShardedDataParallel``.

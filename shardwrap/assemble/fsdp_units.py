@@ -30,7 +30,7 @@ from ..runtime.fsdp1_state import (
     root_training_state,
     unit_training_state,
 )
-from .root import find_root, own_unit
+from .root import find_root, own_unit, root_of
 
 # Original class -> its swapped subclass, so every unit of one class shares one class.
 _SWAPPED: dict[type, type] = {}
@@ -93,6 +93,27 @@ class FSDP1Attributes:
     def _handle(self) -> HandleView | None:
         handle = self._fsdp_unit.handle
         return None if handle is None else HandleView(handle)
+
+
+class FSDP1RootAttributes:
+    """FSDP1 instance attributes of the root wrapper (not of unit modules, whose own
+    attributes of these names must stay theirs): the group it shards over, as FSDP1's
+    ``process_group`` (the intra-node group under hybrid sharding), and its rank and size."""
+
+    @property
+    def process_group(self) -> Any:
+        root = root_of(self, "self")
+        if root.options.sharding_strategy.is_hybrid:
+            return root.comms.shard.group
+        return root.comms.world.group
+
+    @property
+    def rank(self) -> int:
+        return self.process_group.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.process_group.size()
 
 
 class FSDPUnit(FSDP1Attributes):

@@ -123,3 +123,18 @@ def test_uninstall_gives_back_torch_names_a_module_first_imported_by_install_hel
         [sys.executable, "-c", _FIRST_INSTALL], capture_output=True, text=True, check=True
     )
     assert found.stdout.split() == ["True", "True"], found
+
+
+def test_root_has_fsdp1_group_rank_and_size_units_keep_their_own(one_rank):
+    """FSDP1's ``process_group``, ``rank`` and ``world_size`` on the root wrapper (torch's
+    wrap tests read them); a unit module's own attributes of those names stay its own."""
+    plain = models.TinyGPT()
+    plain.blocks[0].process_group = "the block's own"
+    group = torch.distributed.new_group([0])
+    model = FSDP(plain, process_group=group, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
+    assert model.process_group is group
+    assert (model.rank, model.world_size) == (0, 1)
+    assert plain.blocks[0].process_group == "the block's own"
+    assert not hasattr(plain.blocks[1], "world_size")
+    default = FSDP(models.TinyGPT())
+    assert default.process_group is torch.distributed.group.WORLD
