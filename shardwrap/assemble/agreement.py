@@ -67,4 +67,6 @@ def check_plan(
         span = comms.world
     else:
         span = comms.shard if comms.replicate is None else comms.replicate
+    if span.offline:  # no rank to ask ([Note: offline groups] in comm/groups.py)
+        return
     check_agreement(span, everything, "what to wrap")

@@ -62,19 +62,21 @@ class Communicator(ObjectCollectives):
         # not in torch's registry, so ``dist.get_rank(group)`` cannot answer for it.
         self.rank: int = group.rank() if group is not None else 0
         self.size: int = group.size() if group is not None else 1
+        # [Note: offline groups] in comm/groups.py: ranks and sizes, no collective.
+        self.offline = group is not None and not isinstance(group, dist.ProcessGroup)
         self.checker: CollectiveChecker | None = None  # debug: verify ranks agree first
         # [Note: host tensors on accelerator-only backends]
         # Flags, norms and counts are small host tensors. A group whose backend has no CPU
         # transport (plain "nccl") cannot reduce them, so they travel through a copy on the
         # current accelerator; "gloo" or a device-mapped backend ("cpu:gloo,cuda:nccl",
         # torch's default) reduces them where they are.
-        backend = None if group is None else group_backend(group)
+        backend = None if group is None or self.offline else group_backend(group)
         self.host_capable = backend is None or backend_handles_cpu(backend)
         self.staging_device: torch.device | None = None  # None: the current accelerator
         self._gloo = backend == "gloo"
         self.gathers_placed = True  # False: chunk gathers land in rank order (benchmarks)
         self._released = False
-        if group is not None:
+        if group is not None and not self.offline:
             at_exit.track(self)
 
     def release_group(self) -> None:
@@ -84,6 +86,12 @@ class Communicator(ObjectCollectives):
         self._released = True
 
     def _check_not_released(self) -> None:
+        if self.offline:
+            raise RuntimeError(
+                f"process_group: a {type(self.group).__name__} (rank and size only) cannot "
+                "communicate; it serves wrapping and sharding, not training: pass a "
+                "torch.distributed ProcessGroup (see [Note: offline groups] in comm/groups.py)"
+            )
         if self._released:
             raise RuntimeError(
                 "shardwrap: this module's process group was released at interpreter exit; "

@@ -15,6 +15,15 @@ import torch.distributed as dist
 from ..options import ShardingStrategy
 from . import collectives
 
+# [Note: offline groups]
+# torch's FSDP1 takes any ``process_group`` that answers ``rank()`` and ``size()`` as long
+# as nothing communicates: wrapping and sharding need no collective, and torch's own wrap
+# tests hand it a ``DummyProcessGroup`` (rank and size only) to check which modules become
+# units. shardwrap takes such an object too, for one flat group (not hybrid, not a mesh):
+# the model is wrapped and sharded as rank ``rank()`` of ``size()`` (a group of one trains,
+# since it needs no collective), the wrap-time agreement check has no rank to ask and is
+# skipped, and any collective of a bigger group raises a ``RuntimeError`` saying so.
+
 
 @dataclass(frozen=True)
 class GroupLayout:
@@ -53,6 +62,34 @@ def hybrid_process_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.Proc
     return shard_groups[rank // shard_size], replicate_groups[rank % shard_size]
 
 
+def is_offline_group(group: object) -> bool:
+    """Whether ``group`` is an offline group ([Note: offline groups]): not a
+    ``ProcessGroup``, but answering ``rank()`` and ``size()``."""
+    return (
+        group is not None
+        and not isinstance(group, (dist.ProcessGroup, tuple))
+        and callable(getattr(group, "rank", None))
+        and callable(getattr(group, "size", None))
+    )
+
+
+def _offline_layout(strategy: ShardingStrategy, group: object, device_mesh: object) -> GroupLayout:
+    if strategy.is_hybrid or device_mesh is not None:
+        raise ValueError(
+            f"process_group: a {type(group).__name__} (rank and size only) can shard one "
+            f"flat group, not {strategy.name} or a device_mesh; pass ProcessGroups"
+        )
+    rank, size = group.rank(), group.size()  # type: ignore[attr-defined]
+    if not (isinstance(rank, int) and isinstance(size, int) and 0 <= rank < size):
+        raise ValueError(
+            f"process_group: {type(group).__name__} answers rank() = {rank!r}, size() = "
+            f"{size!r}; expected integers with 0 <= rank < size"
+        )
+    if strategy is ShardingStrategy.NO_SHARD:
+        return GroupLayout(None, group, group)  # type: ignore[arg-type]
+    return GroupLayout(group, None, group)  # type: ignore[arg-type]
+
+
 def resolve_groups(
     strategy: ShardingStrategy, process_group: object, device_mesh: object
 ) -> GroupLayout:
@@ -60,7 +97,10 @@ def resolve_groups(
 
     Without a default process group (torch FSDP1 allows this when ``process_group`` is
     given), the given group is the model's whole world: checkpoints and checks run over it.
+    An offline group ([Note: offline groups]) is taken for what it says it is.
     """
+    if is_offline_group(process_group):
+        return _offline_layout(strategy, process_group, device_mesh)
     if not collectives.is_initialized():
         _check_without_default(strategy, process_group, device_mesh)
     if strategy.is_hybrid:
