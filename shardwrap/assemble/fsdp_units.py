@@ -107,6 +107,10 @@ class FSDP1RootAttributes:
             return root.comms.shard.group
         return root.comms.world.group
 
+    def __getitem__(self, key: Any) -> Any:
+        """Indexing reaches the wrapped module (an ``nn.Sequential``), as FSDP1's does."""
+        return self.module[key]  # type: ignore[attr-defined]
+
     @property
     def rank(self) -> int:
         return self.process_group.rank()
@@ -126,6 +130,13 @@ class FSDPUnit(FSDP1Attributes):
     @property
     def _is_root(self) -> bool:
         return False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
+        """Refused, as FSDP1 refuses it on a non-root instance: the norm spans every unit."""
+        raise RuntimeError(
+            "clip_grad_norm_() should only be called on the root FSDP instance (the "
+            "ShardedModule around the model): the norm spans every unit's gradients"
+        )
 
 
 class FlatParamView:

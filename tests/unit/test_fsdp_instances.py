@@ -138,3 +138,14 @@ def test_root_has_fsdp1_group_rank_and_size_units_keep_their_own(one_rank):
     assert not hasattr(plain.blocks[1], "world_size")
     default = FSDP(models.TinyGPT())
     assert default.process_group is torch.distributed.group.WORLD
+
+
+def test_root_indexes_its_sequential_and_units_refuse_clipping(one_rank):
+    """FSDP1 forwards ``model[i]`` to a wrapped ``nn.Sequential`` and refuses
+    ``clip_grad_norm_`` on a non-root instance (torch's wrap and clipping tests rely on
+    both); a unit's own method of that name would stay its own (its class comes first)."""
+    seq = nn.Sequential(nn.Linear(4, 4), models.Block(32, 4))
+    model = FSDP(seq, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
+    assert model[0] is seq[0] and model[1] is seq[1] and isinstance(model[1], FSDP)
+    with pytest.raises(RuntimeError, match="should only be called on the root FSDP instance"):
+        seq[1].clip_grad_norm_(1.0)
