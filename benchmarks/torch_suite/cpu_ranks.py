@@ -29,7 +29,8 @@ def _once_enough() -> None:
 
 
 def allow_cpu_ranks() -> None:
-    """Wrap ``FSDPTest._run`` (the rank's entry) so that its accelerator gate passes once."""
+    """Wrap ``FSDPTest._run`` and ``FSDPTestContinuous._init_pg`` (each rank's entry) so that
+    their accelerator gate passes once."""
     from torch.testing._internal import common_fsdp
 
     if common_fsdp.DEVICE_TYPE != "cpu":
@@ -41,3 +42,16 @@ def allow_cpu_ranks() -> None:
         return run_rank(cls, *args, **kwargs)
 
     common_fsdp.FSDPTest._run = classmethod(_run)
+
+    # FSDPTestContinuous (newer FSDP1 test files: one set of worker ranks per class)
+    # makes the same comparison as the first thing its worker does, in _init_pg.
+    continuous = getattr(common_fsdp, "FSDPTestContinuous", None)
+    if continuous is None:
+        return
+    init_pg = continuous._init_pg.__func__
+
+    def _init_pg(cls, *args, **kwargs):
+        _once_enough()
+        return init_pg(cls, *args, **kwargs)
+
+    continuous._init_pg = classmethod(_init_pg)

@@ -106,6 +106,16 @@ def main() -> None:
         action="store_true",
         help="let multi-process tests start ranks without accelerators (cpu_ranks.py)",
     )
+    parser.add_argument(
+        "--lift-gpu-gates",
+        action="store_true",
+        help="run tests gated on accelerators on a machine without any (gates.py)",
+    )
+    parser.add_argument(
+        "--fsdp1-cpu-device-id",
+        action="store_true",
+        help="torch's FSDP1 built without device_id takes device_id='cpu' (gates.py)",
+    )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument(
         "--logs",
@@ -116,6 +126,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.cpu_ranks:
         os.environ["SW_TORCH_SUITE_CPU_RANKS"] = "1"
+    if args.lift_gpu_gates:
+        os.environ["SW_TORCH_SUITE_LIFT_GATES"] = "1"
+    if args.fsdp1_cpu_device_id:
+        os.environ["SW_TORCH_SUITE_FSDP1_CPU"] = "1"
     args.logs.mkdir(parents=True, exist_ok=True)
     names = args.files or sorted(p.name for p in args.tests.glob("test_*.py"))
     results: dict[str, dict[str, dict]] = {mode: {} for mode in MODES}

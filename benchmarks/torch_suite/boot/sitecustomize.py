@@ -8,11 +8,24 @@ be in torch's modules before any test module runs, in every process: Python impo
 the same two names at the private spellings some test files import them from; without it
 (the torch column) nothing changes. ``SW_TORCH_SUITE_CPU_RANKS=1`` (``--cpu-ranks``, both
 columns) lets torch's multi-process tests start their ranks without accelerators
-(``cpu_ranks.py``).
+(``cpu_ranks.py``); ``SW_TORCH_SUITE_LIFT_GATES=1`` (``--lift-gpu-gates``, both columns) runs
+tests gated on accelerators on a machine that has none and ``SW_TORCH_SUITE_FSDP1_CPU=1``
+(``--fsdp1-cpu-device-id``, both columns) lets torch's FSDP1 built without ``device_id`` run
+on CPU (both in ``gates.py``).
 """
 
 import os
 
+# The gates first: the FSDP1 shim must find torch's class under its name, before install()
+# rebinds the name.
+if os.environ.get("SW_TORCH_SUITE_LIFT_GATES") == "1":
+    from benchmarks.torch_suite.gates import lift_device_gates
+
+    lift_device_gates()
+if os.environ.get("SW_TORCH_SUITE_FSDP1_CPU") == "1":
+    from benchmarks.torch_suite.gates import default_fsdp1_cpu_device_id
+
+    default_fsdp1_cpu_device_id()
 if os.environ.get("SW_TORCH_SUITE_INSTALL") == "1":
     from benchmarks.torch_suite.swap import swap_names
 
