@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .base.quantize import BlockCodec
-from .base.records import as_record
+from .base.records import as_record, equals_torch_member, equals_torch_record
 from .base.validate import check_bools, check_int
 
 _E = TypeVar("_E", bound=enum.Enum)
@@ -39,6 +39,9 @@ class ShardingStrategy(enum.Enum):
     NO_SHARD = "NO_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
     HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+    __eq__ = equals_torch_member  # torch's member of the same name is equal (base/records.py)
+    __hash__ = enum.Enum.__hash__
 
     @property
     def is_hybrid(self) -> bool:
@@ -81,6 +84,9 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_PRE = "BACKWARD_PRE"
     BACKWARD_POST = "BACKWARD_POST"
 
+    __eq__ = equals_torch_member  # torch's member of the same name is equal (base/records.py)
+    __hash__ = enum.Enum.__hash__
+
     @classmethod
     def parse(cls, value: object) -> BackwardPrefetch | None:
         if value is None:
@@ -100,6 +106,8 @@ class CPUOffload:
     # Page-locked host shards; None: pinned when CUDA is available (FSDP1's way). The
     # FSDP2 door sets it from CPUOffloadPolicy.pin_memory.
     pin_memory: bool | None = None
+
+    __eq__ = equals_torch_record  # torch's record of the same name too (base/records.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload_params, bool):
@@ -139,6 +147,8 @@ class MixedPrecision:
     # These modules compute in full precision (own unit, inputs cast up, outputs back).
     module_classes_to_ignore: Sequence[type[nn.Module]] = (nn.modules.batchnorm._BatchNorm,)
 
+    __eq__ = equals_torch_record  # torch's record of the same name too (base/records.py)
+
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             value = getattr(self, name)
@@ -177,6 +187,9 @@ class StateDictType(enum.Enum):
 
     FULL_STATE_DICT = "FULL_STATE_DICT"
     SHARDED_STATE_DICT = "SHARDED_STATE_DICT"
+
+    __eq__ = equals_torch_member  # torch's member of the same name is equal (base/records.py)
+    __hash__ = enum.Enum.__hash__
 
     @classmethod
     def parse(cls, value: object) -> StateDictType:

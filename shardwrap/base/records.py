@@ -6,11 +6,16 @@ records. A record is recognised by its class name (torch's record and ours share
 rebuilt from our fields; a field torch keeps private (``_module_classes_to_ignore``) is
 read under its underscored name. Fields torch has and we do not (``_use_dtensor``) must
 hold their default, or the conversion is refused rather than silently dropped.
+
+Our records and members also compare equal to torch's counterparts (``equals_torch_*``):
+a model wrapped with torch's ``MixedPrecision`` answers ``model.mixed_precision == mp``,
+and ``model.sharding_strategy == ShardingStrategy.FULL_SHARD`` with torch's enum.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, TypeVar
 
 _R = TypeVar("_R")
@@ -49,3 +54,36 @@ def _convert(argument: str, value: Any, cls: type[_R]) -> _R:
                 f"counterpart in shardwrap's {cls.__name__}"
             )
     return cls(**kwargs)
+
+
+def _is_torchs_twin(ours: object, other: object) -> bool:
+    """``other`` is torch's object of the class ``ours`` shares its name with."""
+    kind = type(other)
+    return (
+        kind is not type(ours)
+        and kind.__name__ == type(ours).__name__
+        and kind.__module__.split(".")[0] == "torch"
+    )
+
+
+def equals_torch_member(member: enum.Enum, other: object) -> Any:
+    """``member == other``, where ``other`` may be torch's member of the same enum: equal
+    when the names are (``model.sharding_strategy == torch's FULL_SHARD`` holds). Enum
+    members hash by name, so equal members of the two enums hash alike."""
+    if isinstance(other, enum.Enum) and _is_torchs_twin(member, other):
+        return other.name == member.name
+    return NotImplemented
+
+
+def equals_torch_record(record: Any, other: object) -> Any:
+    """``record == other`` for a record of ours: field by field, and against torch's record
+    of the same name through the conversion (equal when it converts to an equal record)."""
+    if type(other) is type(record):
+        names = [f.name for f in dataclasses.fields(record)]
+        return all(getattr(record, n) == getattr(other, n) for n in names)
+    if dataclasses.is_dataclass(other) and _is_torchs_twin(record, other):
+        try:
+            return as_record("other", other, type(record)) == record
+        except (TypeError, ValueError):
+            return False
+    return NotImplemented
