@@ -11,6 +11,13 @@ does, each unit's module has its class swapped for a subclass of its own class a
 dicts stay the module's own. The root's own module is not swapped: the root
 ``ShardedModule`` is the FSDP instance there, as FSDP1's root wrapper is.
 
+Members a unit module gains must not take names from the model: methods are safe (the
+module's own class comes first in the swapped class), and ``training_state`` yields to an
+attribute of the module's own; FSDP1 attributes a model plausibly has itself
+(``process_group``, ``rank``, ``world_size``) are the root wrapper's only
+(``FSDP1RootAttributes``), and ``module`` (FSDP1's wrapper attribute) is not given at all:
+``unit.module`` returning the unit would make unwrap loops (``while isinstance(m, FSDP):
+m = m.module``) never end.
 The ``_``-prefixed members below are FSDP1 instance attributes that popular frameworks
 read (accelerate's mixed-precision pass reads ``_has_params``, ``_flat_param`` and
 ``_handle``). They are compatibility, not API: each answers what FSDP1's would, as far as
@@ -19,7 +26,8 @@ that code needs, and refuses what shardwrap cannot honour with an error saying s
 
 from __future__ import annotations
 
-from typing import Any
+from enum import Enum
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -33,6 +41,7 @@ from ..runtime.fsdp1_state import (
 from .root import find_root, own_unit, root_of
 
 # Original class -> its swapped subclass, so every unit of one class shares one class.
+_NOT_SET = object()
 _SWAPPED: dict[type, type] = {}
 
 
@@ -67,13 +76,21 @@ class FSDP1Attributes:
         return unit
 
     @property
-    def training_state(self) -> Any:
+    def training_state(self) -> Enum:
         """FSDP1's state of this instance (a root's spans its whole model), a member of
-        torch's ``TrainingState`` (``runtime/fsdp1_state.py``)."""
+        torch's ``TrainingState`` (``runtime/fsdp1_state.py``). A unit module's own
+        attribute of this name is its own: read and written as before wrapping."""
+        own = self.__dict__.get("training_state", _NOT_SET)
+        if own is not _NOT_SET:
+            return own
         root = find_root(self)  # type: ignore[arg-type]
         if root is not None:
-            return root_training_state(root.units[0], root.units)
+            return root_training_state(self._fsdp_unit, root.units)
         return unit_training_state(self._fsdp_unit)
+
+    @training_state.setter
+    def training_state(self, value: Any) -> None:  # only a unit module's own attribute
+        self.__dict__["training_state"] = value
 
     def _assert_state(self, state: Any) -> None:
         """FSDP1's check: ``ValueError`` unless :attr:`training_state` is ``state`` (or one
@@ -97,11 +114,13 @@ class FSDP1Attributes:
 
 class FSDP1RootAttributes:
     """FSDP1 instance attributes of the root wrapper (not of unit modules, whose own
-    attributes of these names must stay theirs): the group it shards over, as FSDP1's
-    ``process_group`` (the intra-node group under hybrid sharding), and its rank and size."""
+    attributes of these names must stay theirs): the group it shards over, its rank and
+    size, and indexing that reaches the wrapped module."""
 
     @property
     def process_group(self) -> Any:
+        """FSDP1's ``process_group``: the group the model shards over (the intra-node,
+        shard group under hybrid sharding)."""
         root = root_of(self, "self")
         if root.options.sharding_strategy.is_hybrid:
             return root.comms.shard.group
@@ -113,10 +132,12 @@ class FSDP1RootAttributes:
 
     @property
     def rank(self) -> int:
+        """This rank in :attr:`process_group`."""
         return self.process_group.rank()
 
     @property
     def world_size(self) -> int:
+        """The size of :attr:`process_group`."""
         return self.process_group.size()
 
 
@@ -131,7 +152,7 @@ class FSDPUnit(FSDP1Attributes):
     def _is_root(self) -> bool:
         return False
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> NoReturn:
         """Refused, as FSDP1 refuses it on a non-root instance: the norm spans every unit."""
         raise RuntimeError(
             "clip_grad_norm_() should only be called on the root FSDP instance (the "

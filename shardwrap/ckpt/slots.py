@@ -134,6 +134,8 @@ def world_communicator(model: nn.Module) -> Communicator:
     stages] in fragments.py).
     """
     root = root_of(model)
+    if root.runtime.world_comm.size > 1:  # an offline group is refused here, by name
+        root.runtime.world_comm.check_can_communicate()
     if collectives.is_initialized():
         return Communicator(collectives.default_group(), root.comm_ledger)
     return Communicator(root.runtime.world_comm.group, root.comm_ledger)

@@ -42,6 +42,20 @@ def _num_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def is_offline_group(group: object) -> bool:
+    """Whether ``group`` is an offline group ([Note: offline groups] in comm/groups.py):
+    no ``ProcessGroup`` nor any other object of torch's distributed package (a gloo or
+    NCCL backend object stays refused as a group), but answering ``rank()`` and ``size()``."""
+    kind = type(group)
+    return (
+        group is not None
+        and not isinstance(group, (dist.ProcessGroup, tuple))
+        and not kind.__module__.startswith(("torch.distributed", "torch._C"))
+        and callable(getattr(group, "rank", None))
+        and callable(getattr(group, "size", None))
+    )
+
+
 class _DoneWork:
     """Stand-in for a finished ``dist.Work`` (for groups of one rank)."""
 
@@ -63,7 +77,7 @@ class Communicator(ObjectCollectives):
         self.rank: int = group.rank() if group is not None else 0
         self.size: int = group.size() if group is not None else 1
         # [Note: offline groups] in comm/groups.py: ranks and sizes, no collective.
-        self.offline = group is not None and not isinstance(group, dist.ProcessGroup)
+        self.offline = is_offline_group(group)
         self.checker: CollectiveChecker | None = None  # debug: verify ranks agree first
         # [Note: host tensors on accelerator-only backends]
         # Flags, norms and counts are small host tensors. A group whose backend has no CPU
@@ -85,7 +99,8 @@ class Communicator(ObjectCollectives):
         self.group = None
         self._released = True
 
-    def _check_not_released(self) -> None:
+    def check_can_communicate(self) -> None:
+        """Raise unless collectives can run here: not an offline group, not released."""
         if self.offline:
             raise RuntimeError(
                 f"process_group: a {type(self.group).__name__} (rank and size only) cannot "
@@ -222,7 +237,7 @@ class Communicator(ObjectCollectives):
 
     def _record(self, kind: str, purpose: str, tensor: torch.Tensor, unit="", **note) -> float:
         """Check (debug), record, and return the issue time for :meth:`_timed`."""
-        self._check_not_released()
+        self.check_can_communicate()
         if self.checker is not None:
             self.checker.check(kind, purpose, unit, tensor, self.size)
         self.ledger.record(CommRecord(kind, purpose, _num_bytes(tensor), self.size, unit, **note))

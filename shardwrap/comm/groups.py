@@ -62,17 +62,6 @@ def hybrid_process_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.Proc
     return shard_groups[rank // shard_size], replicate_groups[rank % shard_size]
 
 
-def is_offline_group(group: object) -> bool:
-    """Whether ``group`` is an offline group ([Note: offline groups]): not a
-    ``ProcessGroup``, but answering ``rank()`` and ``size()``."""
-    return (
-        group is not None
-        and not isinstance(group, (dist.ProcessGroup, tuple))
-        and callable(getattr(group, "rank", None))
-        and callable(getattr(group, "size", None))
-    )
-
-
 def _offline_layout(strategy: ShardingStrategy, group: object, device_mesh: object) -> GroupLayout:
     if strategy.is_hybrid or device_mesh is not None:
         raise ValueError(
@@ -99,7 +88,7 @@ def resolve_groups(
     given), the given group is the model's whole world: checkpoints and checks run over it.
     An offline group ([Note: offline groups]) is taken for what it says it is.
     """
-    if is_offline_group(process_group):
+    if collectives.is_offline_group(process_group):
         return _offline_layout(strategy, process_group, device_mesh)
     if not collectives.is_initialized():
         _check_without_default(strategy, process_group, device_mesh)

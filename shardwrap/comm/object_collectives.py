@@ -23,7 +23,7 @@ class ObjectCollectives:
         """Every rank's ``obj`` (small Python values: flags, names, shapes)."""
         if self.size == 1:
             return [obj]
-        self._check_not_released()
+        self.check_can_communicate()
         gathered: list[object] = [None] * self.size
         dist.all_gather_object(gathered, obj, group=self.group)
         self.ledger.record(CommRecord("all_gather_object", purpose, 0, self.size))

@@ -83,14 +83,7 @@ def _check_default_state(root: ShardRoot, name: str, state: object) -> None:
     if not handles:
         return
     size = handles[0].grads.data_parallel_size
-    ranks = collectives.group_ranks(group)
-    if len(ranks) != size or collectives.world_rank() not in ranks:
-        raise ValueError(
-            f"register_comm_hook({name}): state.process_group has ranks {ranks}, but this "
-            f"model averages gradients over its {size} data-parallel ranks (this rank is "
-            f"{collectives.world_rank()}); give DefaultState that group, or wrap with the "
-            "group you want"
-        )
+    _check_state_group(name, group, size)
     if not math.isclose(pre * post, size):
         raise ValueError(
             f"register_comm_hook({name}): state's gradient_predivide_factor x "
@@ -103,4 +96,24 @@ def _check_default_state(root: ShardRoot, name: str, state: object) -> None:
             f"register_comm_hook({name}, state.gradient_predivide_factor={pre})",
             "not acted on: shardwrap sums the float16 gradients and divides by "
             f"{size} afterwards (in the master dtype); it does not divide before the sum",
+        )
+
+
+def _check_state_group(name: str, group: object, size: int) -> None:
+    """The hook state's group is the model's data-parallel group (an offline group: of
+    its size, all it can tell)."""
+    if collectives.is_offline_group(group):
+        if group.size() != size:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"register_comm_hook({name}): state.process_group has {group.size()} ranks, "  # type: ignore[attr-defined]
+                f"but this model averages gradients over its {size} data-parallel ranks"
+            )
+        return
+    ranks = collectives.group_ranks(group)
+    if len(ranks) != size or collectives.world_rank() not in ranks:
+        raise ValueError(
+            f"register_comm_hook({name}): state.process_group has ranks {ranks}, but this "
+            f"model averages gradients over its {size} data-parallel ranks (this rank is "
+            f"{collectives.world_rank()}); give DefaultState that group, or wrap with the "
+            "group you want"
         )

@@ -1,9 +1,9 @@
 """FSDP1's ``training_state``, read off the step: idle, in forward or backward, or summoned.
 
 FSDP1 keeps a ``training_state`` on every instance (``IDLE``, ``FORWARD_BACKWARD``,
-``SUMMON_FULL_PARAMS``) and checks it with ``_assert_state``: ``apply()`` and
-``summon_full_params`` refuse to run outside ``IDLE``, and torch's own test utilities assert
-``IDLE`` after each training loop. shardwrap keeps no such field: the unit's forward depth,
+``SUMMON_FULL_PARAMS``) and checks it with ``_assert_state``: ``apply()`` refuses to run
+outside ``IDLE`` (here too), and torch's own test utilities assert ``IDLE`` after each
+training loop. shardwrap keeps no such field: the unit's forward depth,
 the step's backward and the summon registry already say where it stands, so the state is
 computed from them (one owner each, nothing to keep in step). As FSDP1: a unit is in
 ``FORWARD_BACKWARD`` while its forward runs and from the backward reaching it until the

@@ -108,6 +108,8 @@ class StepRuntime:
         self.execution_order: list[Unit] = []  # units in first-forward order this step
         # The presence vote and what it checks ([Note: gradient presence])
         self.presence = PresenceCheck(world_comm)
+        # From the first pre-backward until the end-of-backward callback (still set after a
+        # backward that raised, until reset_iter_state); FSDP1's training_state reads it.
         self.backward_in_flight = False
         # [Note: manual backward finalization] in runtime/manual_finalization.py
         self.manual = ManualFinalization()

@@ -78,3 +78,24 @@ def test_apply_inside_summon_is_refused(one_rank):
     model.apply(fill)  # idle again: applied, and written back
     with FSDP.summon_full_params(model):
         assert bool((plain.blocks[1].fc.weight == 1.0).all())
+
+
+def test_a_units_own_training_state_attribute_stays_its_own(one_rank):
+    """A module that keeps an attribute named ``training_state`` reads and writes it as
+    before wrapping (FSDP1 wraps it and leaves it alone); only the root answers FSDP1's."""
+
+    class Phased(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.training_state = "warmup"
+
+        def forward(self, x):
+            self.training_state = "running"
+            return super().forward(x)
+
+    outer = torch.nn.Sequential(Phased(), torch.nn.Linear(4, 4))
+    model = FSDP(outer, auto_wrap_policy=ModuleWrapPolicy({Phased}))
+    assert isinstance(outer[0], FSDP) and outer[0].training_state == "warmup"
+    model(torch.randn(2, 4)).sum().backward()
+    assert outer[0].training_state == "running"
+    assert model.training_state is TrainingState.IDLE

@@ -149,3 +149,11 @@ def test_root_indexes_its_sequential_and_units_refuse_clipping(one_rank):
     assert model[0] is seq[0] and model[1] is seq[1] and isinstance(model[1], FSDP)
     with pytest.raises(RuntimeError, match="should only be called on the root FSDP instance"):
         seq[1].clip_grad_norm_(1.0)
+
+    class ClipsItself(nn.Linear):
+        def clip_grad_norm_(self, max_norm: float) -> str:
+            return "its own"
+
+    outer = nn.Sequential(ClipsItself(4, 4), nn.Linear(4, 4))
+    FSDP(outer, auto_wrap_policy=ModuleWrapPolicy({ClipsItself}))
+    assert isinstance(outer[0], FSDP) and outer[0].clip_grad_norm_(1.0) == "its own"

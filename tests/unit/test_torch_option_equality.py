@@ -7,6 +7,8 @@ model wrapped by shardwrap holds shardwrap's records and members, which must ans
 
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch.distributed import fsdp as torch_fsdp
 
@@ -39,6 +41,8 @@ def test_a_model_wrapped_with_torchs_options_answers_equal_to_them(one_rank):
 
 def test_equality_stays_within_the_same_concept():
     strategy = options.ShardingStrategy.FULL_SHARD
+    lookalike = enum.Enum("ShardingStrategy", ["FULL_SHARD"])  # the name, not torch's
+    assert strategy != lookalike.FULL_SHARD and lookalike.FULL_SHARD != strategy
     assert strategy == options.ShardingStrategy.FULL_SHARD
     assert strategy != options.ShardingStrategy.NO_SHARD
     assert strategy != options.StateDictType.FULL_STATE_DICT  # another enum, same-ish name
