@@ -90,23 +90,25 @@ def summon_full_params(
         runtimes = [registry.runtime_of(u) for u in units]
         for runtime in {id(r): r for r in runtimes if r is not None}.values():
             runtime.reduce_deferred_grads()  # ZeRO-1 grads that no_sync backwards left local
-    # A nested summon leaves the handles an outer one shows to it.
-    mine = [u.handle for u in units if not registry.is_summoned(u.handle)]
-    showing = not rank0_only or _world_rank(units) == 0
-    summons = [_Summon(h, writeback, showing, offload_to_cpu, with_grads) for h in mine]
-    for s in summons:
-        registry.add_summoned(s.handle)
-        s.enter()
-    # FSDP1's training_state reads SUMMON_FULL_PARAMS on every selected unit, owning
-    # parameters or not (runtime/fsdp1_state.py).
+    # Every selected unit is marked, owning parameters or not (FSDP1's training_state reads
+    # SUMMON_FULL_PARAMS on each: runtime/fsdp1_state.py); a nested summon marks and shows
+    # only the units an outer one does not.
     marked = registry.add_summoned_units(selected)
+    mine = {id(u) for u in marked}
+    showing = not rank0_only or _world_rank(units) == 0
+    summons = [
+        _Summon(u.handle, writeback, showing, offload_to_cpu, with_grads)
+        for u in units
+        if id(u) in mine
+    ]
+    for s in summons:
+        s.enter()
     try:
         yield
     finally:
         registry.discard_summoned_units(marked)
         for s in summons:
             s.exit()
-            registry.discard_summoned(s.handle)
 
 
 class _Summon:

@@ -21,8 +21,7 @@ from . import registry
 
 
 def unit_training_state(unit: Unit) -> Enum:
-    """FSDP1's ``training_state`` of the instance ``unit`` is (a unit module or its root's
-    own unit, then widened by :func:`root_training_state`)."""
+    """FSDP1's ``training_state`` of the unit module ``unit`` became."""
     states = fsdp1_training_states()
     if registry.is_unit_summoned(unit):
         return states.SUMMON_FULL_PARAMS
@@ -36,12 +35,13 @@ def unit_training_state(unit: Unit) -> Enum:
 
 
 def root_training_state(own_unit: Unit, units: list[Unit]) -> Enum:
-    """FSDP1's ``training_state`` of a root: its own unit's, or ``FORWARD_BACKWARD`` while
-    any unit's forward runs or the root's backward is in flight."""
+    """FSDP1's ``training_state`` of a root: ``SUMMON_FULL_PARAMS`` while its own unit is
+    summoned, else ``FORWARD_BACKWARD`` while any unit's forward runs or the root's
+    backward is in flight."""
     states = fsdp1_training_states()
-    state = unit_training_state(own_unit)
-    if state is not states.IDLE:
-        return state
+    if registry.is_unit_summoned(own_unit):
+        return states.SUMMON_FULL_PARAMS
+    # Covers the own unit's forward and backward (unit_training_state's) too.
     runtime = registry.runtime_of(own_unit)
     if (runtime is not None and runtime.backward_in_flight) or any(
         u.forward_depth > 0 for u in units

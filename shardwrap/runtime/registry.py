@@ -3,7 +3,7 @@
 A module becomes a unit once (the composition root records it here, which catches
 wrapping it twice); each root's ``StepRuntime`` is recorded against its units, so that code
 holding a module (``summon_full_params``, ``register_forward_method``) or a unit (the
-hooks) finds the runtime. Handles inside an active ``summon_full_params`` are recorded
+hooks) finds the runtime. Units inside an active ``summon_full_params`` are recorded
 too, so a nested summon leaves them alone. The roots themselves are recorded one layer
 up, with the root object they hold (``assemble/root.py``).
 Every table holds its keys weakly, and values that refer back to their keys (a unit
@@ -18,15 +18,13 @@ import weakref
 from torch import nn
 
 from ..core.unit import Unit
-from ..flat_param import FlatParamHandle
 from .step import StepRuntime
 
 # The unit each wrapped module became (kept alive by its root and by the module's hooks).
 _UNITS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Unit]] = weakref.WeakKeyDictionary()
 # The runtime of the root that owns each unit (kept alive by the root).
 _RUNTIMES: weakref.WeakKeyDictionary[Unit, weakref.ref[StepRuntime]] = weakref.WeakKeyDictionary()
-# Handles inside an active summon, and the units a summon selected (with or without one).
-_SUMMONED: weakref.WeakSet[FlatParamHandle] = weakref.WeakSet()
+# The units an active summon selected (owning parameters or not).
 _SUMMONED_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()
 
 
@@ -59,18 +57,6 @@ def runtime_of(unit: Unit) -> StepRuntime | None:
     """The runtime of the root that owns ``unit``."""
     ref = _RUNTIMES.get(unit)
     return None if ref is None else ref()
-
-
-def is_summoned(handle: FlatParamHandle) -> bool:
-    return handle in _SUMMONED
-
-
-def add_summoned(handle: FlatParamHandle) -> None:
-    _SUMMONED.add(handle)
-
-
-def discard_summoned(handle: FlatParamHandle) -> None:
-    _SUMMONED.discard(handle)
 
 
 def is_unit_summoned(unit: Unit) -> bool:
